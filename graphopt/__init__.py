@@ -1,0 +1,27 @@
+"""graphopt: a torch.compile backend and ONNX export tool for LLM inference.
+
+    model = torch.compile(model, backend="graphopt", options={"target": "eager"})
+    graphopt.reports()[-1].to_dict()   # what each pass did, op counts, fallbacks
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import graphopt.ops  # noqa: F401  (registers the graphopt:: ops)
+from graphopt.config import Options, describe_options
+from graphopt.errors import GraphoptError, OptionsError
+from graphopt.report import CompileReport, reports, reset
+
+__version__ = "0.1.0"
+__all__ = ["compile", "reports", "reset", "Options", "CompileReport", "GraphoptError", "OptionsError",
+           "describe_options"]
+
+
+def compile(model: Any, options: dict | None = None, **torch_compile_kwargs: Any) -> Any:
+    """``torch.compile(model, backend="graphopt", options=options)`` with the options
+    checked now rather than at the first call."""
+    Options.parse(options)
+    return torch.compile(model, backend="graphopt", options=options or None, **torch_compile_kwargs)

@@ -1,0 +1,104 @@
+"""Compile one ATen graph: run the pass pipeline, lower to a target, record a report.
+
+Both frontends (dynamo and torch.export) end here. Failures never reach the user's
+model unless ``fallback="error"``: a failing pass is skipped by the PassManager, a
+target that cannot compile or run the graph hands it to the eager target, and the
+report says what happened and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.config import Options
+from graphopt.errors import BackendFailed, GraphoptError, TargetUnavailable
+from graphopt.instrument import NumericCheck
+from graphopt.pass_manager import Instrument, PassContext, PassManager, PipelineResult
+from graphopt.report import CompileReport, record
+from graphopt.targets import get_target, resolve_target
+
+log = logging.getLogger("graphopt")
+
+
+def run_pipeline(gm: fx.GraphModule, config: Options, example_inputs: Sequence[Any] | None,
+                 instruments: Sequence[Instrument] = ()) -> tuple[PipelineResult, PassContext]:
+    """Run the configured pipeline on ``gm`` (a numeric check too when asked)."""
+    instruments = list(instruments)
+    if config.check_numerics and example_inputs is not None:
+        instruments.append(NumericCheck(example_inputs, config.tolerance))
+    ctx = PassContext(config, example_inputs)
+    manager = PassManager.from_options(config, instruments)
+    return manager.run(gm, ctx), ctx
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,
+                  frontend: str, frozen_weights: int = 0, notes: Sequence[str] = ()) -> Callable:
+    """Optimize and lower ``gm``; returns a callable taking the graph's inputs."""
+    start = time.perf_counter()
+    report = CompileReport(target="eager", requested_target=config.target, frontend=frontend,
+                           frozen_weights=frozen_weights, nodes_in=ir.node_count(gm), notes=list(notes))
+    result, _ = run_pipeline(gm, config, example_inputs)
+    report.passes, report.near_misses, report.rewrites = result.records, result.near_misses, result.rewrites
+    report.fallbacks.extend(result.fallbacks)
+    optimized = result.gm
+    report.op_counts = ir.op_counts(optimized)
+    report.nodes_out = ir.node_count(optimized)
+    compiled = lower(optimized, example_inputs, config, report)
+    report.compile_s = time.perf_counter() - start
+    record(report)
+    return compiled
+
+
+def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,
+          report: CompileReport) -> Callable:
+    """Compile on the configured target; fall back to eager (reported) when it cannot."""
+    eager = get_target("eager")
+    try:
+        target, skipped = resolve_target(config)
+        report.notes.extend(f"auto skipped {s}" for s in skipped)
+    except TargetUnavailable as error:
+        return _fall_back(gm, example_inputs, config, report, "target", str(error), error)
+    report.target = target.name
+    if target is eager:
+        return eager.compile(gm, example_inputs, config)
+    try:
+        compiled = target.compile(gm, example_inputs, config)
+    except GraphoptError as error:
+        return _fall_back(gm, example_inputs, config, report, f"target:{target.name}", str(error), error)
+    except Exception as error:  # a target's bug must not break the user's model
+        reason = f"{type(error).__name__}: {error}"
+        return _fall_back(gm, example_inputs, config, report, f"target:{target.name}", reason, error)
+    return _guard_runtime(compiled, gm, example_inputs, config, report, target.name)
+
+
+def _fall_back(gm, example_inputs, config, report, where, reason, error) -> Callable:
+    if config.fallback == "error":
+        raise BackendFailed(f"graphopt {where} failed: {reason}") from error
+    log.warning("graphopt: %s failed (%s); running this graph on the eager target", where, reason)
+    report.add_fallback(where, reason)
+    report.target = "eager"
+    return get_target("eager").compile(gm, example_inputs, config)
+
+
+def _guard_runtime(compiled: Callable, gm: fx.GraphModule, example_inputs, config: Options,
+                   report: CompileReport, target_name: str) -> Callable:
+    """Run ``compiled``; if it raises, switch this graph to eager for good (reported)."""
+    state = {"fn": compiled, "failed": False}
+
+    def run(*args: Any) -> Any:
+        if state["failed"]:
+            return state["fn"](*args)
+        try:
+            return state["fn"](*args)
+        except Exception as error:
+            reason = f"{type(error).__name__}: {error}"
+            state["fn"] = _fall_back(gm, example_inputs, config, report, f"target:{target_name} (run)", reason, error)
+            state["failed"] = True
+            return state["fn"](*args)
+
+    return run

@@ -1,0 +1,179 @@
+"""Frontends: a model or a dynamo graph -> the ATen FX graph every pass sees.
+
+- ``compile_dynamo_graph``: the ``torch.compile`` path. aot_autograd lowers dynamo's
+  graph to functional ATen ops with fake tensors in ``meta["val"]``.
+- ``export_aten_graph``: the ``torch.export`` path, for tools that need a whole-model
+  graph (the ONNX exporter).
+
+Both freeze weights: parameters and buffers the graph does not mutate become
+``get_attr`` constants named after the parameter (``model.layers.0.mlp.up_proj.weight``),
+so passes can concatenate, quantize and fold them. Freezing keeps a reference to the
+user's tensors (no copy); passes that rewrite weights make new tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx as fx
+from torch._guards import TracingContext
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from graphopt import ir
+from graphopt.compiler import compile_graph
+from graphopt.config import Options
+from graphopt.errors import BackendFailed, GraphoptError
+from graphopt.report import CompileReport, record
+
+log = logging.getLogger("graphopt")
+
+
+def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Options) -> Callable:
+    """The torch.compile backend body: aot_autograd to ATen, then graphopt's compiler."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    real_inputs = list(example_inputs)
+    names = dynamo_input_names(gm)
+    notes = []
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in real_inputs):
+        notes.append("graphopt compiles for inference: outputs of this graph do not track gradients")
+
+    def fw_compiler(fw_gm: fx.GraphModule, fw_inputs: Sequence[Any]) -> Callable:
+        # aot_autograd calls us inside its FakeTensorMode; weights and checks need real tensors.
+        with unset_fake_temporarily():
+            return compile_aten(fw_gm)
+
+    def compile_aten(fw_gm: fx.GraphModule) -> Callable:
+        placeholders = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
+        aligned = len(placeholders) == len(real_inputs)
+        frozen = freeze_static_inputs(fw_gm, real_inputs, names) if config.freeze_weights and aligned else set()
+        keep = [i for i in range(len(placeholders)) if i not in frozen]
+        user_inputs = [real_inputs[i] for i in keep] if aligned else None
+        if user_inputs is not None and not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in user_inputs):
+            user_inputs = None  # symbolic inputs: nothing concrete to run numeric checks on
+        compiled = compile_graph(fw_gm, user_inputs, config, "dynamo", len(frozen), notes)
+        if not frozen:
+            return compiled
+
+        def run_without_weights(*args: Any) -> Any:
+            return compiled(*[args[i] for i in keep])
+
+        return run_without_weights
+
+    try:
+        with torch.no_grad():  # inference graphs: no joint forward/backward trace
+            return aot_module_simplified(gm, real_inputs, fw_compiler=fw_compiler)
+    except GraphoptError:
+        raise
+    except Exception as error:
+        if config.fallback == "error":
+            raise BackendFailed(f"graphopt frontend failed: {type(error).__name__}: {error}") from error
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+        log.warning("graphopt: could not lower this graph to ATen (%s); running it eagerly", reason)
+        report = CompileReport(target="eager", requested_target=config.target, frontend="dynamo", notes=notes)
+        report.add_fallback("frontend", reason)
+        record(report)
+        return gm.forward
+
+
+def dynamo_input_names(gm: fx.GraphModule) -> list[str]:
+    """Parameter-style names for dynamo's placeholders (``layers.0.mlp.up_proj.weight``)."""
+    fqn = getattr(gm, "meta", {}).get("dynamo_flat_name_to_original_fqn", {})
+    names = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = fqn.get(node.target) or fqn.get(node.name)
+        names.append(name or _readable_dynamo_name(node.name))
+    return names
+
+
+def _readable_dynamo_name(name: str) -> str:
+    name = re.sub(r"^l_+(self|s|fn|model|mod)?_*", "", name, flags=re.IGNORECASE)
+    name = re.sub(r"_(modules|parameters|buffers)_", ".", name)
+    return name.strip("_")
+
+
+def freeze_static_inputs(fw_gm: fx.GraphModule, real_inputs: Sequence[Any], names: Sequence[str]) -> set[int]:
+    """Turn weight placeholders into get_attr constants; return the frozen input indices.
+
+    A placeholder is frozen when aot_autograd marks it static (parameters and buffers)
+    and the graph does not mutate it.
+    """
+    context = TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    static = set(getattr(meta, "static_input_indices", None) or ())
+    if not static:
+        static = {i for i, t in enumerate(real_inputs) if isinstance(t, torch.nn.Parameter)}
+    input_info = getattr(meta, "input_info", None) or []
+    placeholders = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
+    first_op = next(n for n in fw_gm.graph.nodes if n.op != "placeholder")
+    frozen = set()
+    for i in sorted(static):
+        tensor = real_inputs[i]
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        info = input_info[i] if i < len(input_info) else None
+        if info is not None and (info.mutates_data or info.mutates_metadata):
+            continue  # a buffer the graph writes (a KV cache) must stay an input
+        node = placeholders[i]
+        with fw_gm.graph.inserting_before(first_op):
+            const = constant_node(fw_gm, names[i] if i < len(names) else node.name, tensor)
+        const.meta["val"] = node.meta.get("val", const.meta.get("val"))
+        node.replace_all_uses_with(const)
+        fw_gm.graph.erase_node(node)
+        frozen.add(i)
+    fw_gm.recompile()
+    return frozen
+
+
+def constant_node(gm: fx.GraphModule, param_name: str, tensor: torch.Tensor) -> fx.Node:
+    """A get_attr node for a frozen weight, remembering the weight's original name."""
+    node = ir.add_constant(gm, "w_" + param_name.replace(".", "_"), tensor.detach())
+    node.meta[ir.PARAM_NAME] = param_name
+    return node
+
+
+@dataclass
+class AtenProgram:
+    """A whole model as one ATen graph (from torch.export), weights frozen."""
+
+    gm: fx.GraphModule
+    example_inputs: tuple
+    out_spec: Any  # pytree spec of the model's outputs
+    frozen_weights: int
+
+
+def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
+                      dynamic_shapes: Any = None) -> AtenProgram:
+    """torch.export the model, decompose to ATen, and freeze its weights."""
+    with torch.no_grad():
+        program = torch.export.export(model, tuple(args), kwargs or {}, dynamic_shapes=dynamic_shapes, strict=False)
+        program = program.run_decompositions({})
+    gm = program.graph_module
+    signature = program.graph_signature
+    if signature.buffers_to_mutate:
+        raise GraphoptError("graphopt export does not handle models that mutate buffers yet")
+    state = {**program.state_dict, **program.constants}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    first_op = next(n for n in gm.graph.nodes if n.op != "placeholder")
+    user_inputs = list(signature.user_inputs)
+    targets = {**signature.inputs_to_parameters, **signature.inputs_to_buffers,
+               **signature.inputs_to_lifted_tensor_constants}
+    frozen = 0
+    for node in placeholders:
+        if node.name in user_inputs or node.name not in targets:
+            continue
+        with gm.graph.inserting_before(first_op):
+            const = constant_node(gm, targets[node.name], state[targets[node.name]])
+        const.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(const)
+        gm.graph.erase_node(node)
+        frozen += 1
+    gm.recompile()
+    flat_inputs = [a for a in torch.utils._pytree.tree_leaves((tuple(args), kwargs or {}))]
+    return AtenProgram(gm, tuple(flat_inputs), program.call_spec.out_spec, frozen)

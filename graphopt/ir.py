@@ -1,0 +1,182 @@
+"""Helpers over the one IR every pass sees: an ATen-level ``torch.fx.GraphModule``
+whose nodes carry fake tensors in ``meta["val"]``.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import Counter
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from graphopt.ops import op_name
+
+# Metadata key naming the pass that created a node (shown by the debug printers).
+CREATED_BY = "graphopt_pass"
+# Metadata key holding the original parameter name of a frozen weight.
+PARAM_NAME = "graphopt_param"
+
+
+def target_name(target: Any) -> str:
+    """A short, stable name for a node target: ``graphopt.rms_norm``, ``aten.mm``, ``getitem``."""
+    name = op_name(target)
+    if name:
+        return name
+    if target is operator.getitem:
+        return "getitem"
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::', 1)[1]}"
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.replace("::", ".")
+    return getattr(target, "__name__", str(target))
+
+
+def op_counts(gm: fx.GraphModule) -> dict[str, int]:
+    """Histogram of the ops a graph calls (tuple ``getitem`` plumbing left out)."""
+    counts = Counter(
+        target_name(n.target)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem
+    )
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def node_count(gm: fx.GraphModule) -> int:
+    return len(gm.graph.nodes)
+
+
+def fake_mode_of(gm: fx.GraphModule):
+    """The FakeTensorMode the graph's ``meta["val"]`` tensors belong to."""
+    return detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if "val" in n.meta])
+
+
+def _val(arg: Any) -> Any:
+    return fx.node.map_arg(arg, lambda n: n.meta["val"])
+
+
+def infer_val(node: fx.Node, fake_mode=None) -> None:
+    """Fill ``node.meta["val"]`` by running its target on its inputs' fake values."""
+    if node.op != "call_function":
+        return
+    fake_mode = fake_mode or fake_mode_of(node.graph.owning_module)
+    args, kwargs = _val(node.args), _val(node.kwargs)
+    if fake_mode is None:
+        node.meta["val"] = node.target(*args, **kwargs)
+        return
+    with fake_mode:
+        node.meta["val"] = node.target(*args, **kwargs)
+
+
+def get_constant(node: Any) -> torch.Tensor | None:
+    """The tensor behind a ``get_attr`` node, or None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return None
+    value: Any = node.graph.owning_module
+    for atom in node.target.split("."):
+        value = getattr(value, atom, None)
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def add_constant(gm: fx.GraphModule, base_name: str, tensor: torch.Tensor) -> fx.Node:
+    """Register ``tensor`` on ``gm`` under a fresh name and return a get_attr node for it.
+
+    Call inside a ``graph.inserting_*`` context to place the node.
+    """
+    name = _fresh_attr(gm, base_name)
+    gm.register_buffer(name, tensor, persistent=False)
+    node = gm.graph.get_attr(name)
+    fake_mode = fake_mode_of(gm)
+    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
+    return node
+
+
+def _fresh_attr(gm: fx.GraphModule, base: str) -> str:
+    base = "".join(c if c.isalnum() or c == "_" else "_" for c in base) or "const"
+    name, i = base, 0
+    while hasattr(gm, name):
+        i += 1
+        name = f"{base}_{i}"
+    return name
+
+
+def describe_val(val: Any) -> str:
+    """``f32[1, 8, 64]`` for a tensor value, the repr for anything else."""
+    if isinstance(val, torch.Tensor):
+        short = str(val.dtype).replace("torch.", "")
+        short = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int64": "i64", "int32": "i32",
+                 "bool": "bool", "uint8": "u8", "int8": "i8", "float64": "f64"}.get(short, short)
+        return f"{short}[{', '.join(str(s) for s in val.shape)}]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(describe_val(v) for v in val) + ")"
+    return repr(val)
+
+
+def _fmt_arg(arg: Any) -> str:
+    if isinstance(arg, fx.Node):
+        return f"%{arg.name}"
+    if isinstance(arg, (list, tuple)):
+        inner = ", ".join(_fmt_arg(a) for a in arg)
+        return f"[{inner}]"
+    if isinstance(arg, float):
+        return f"{arg:g}"
+    return repr(arg)
+
+
+def format_node(node: fx.Node) -> str:
+    """One readable line: ``%mm = aten.mm(%view, %t)  : f32[8, 64]  <- fuse_qkv``."""
+    if node.op == "placeholder":
+        body = f"%{node.name} = input"
+    elif node.op == "get_attr":
+        label = node.meta.get(PARAM_NAME) or node.target
+        body = f"%{node.name} = const {label}"
+    elif node.op == "output":
+        return f"return {_fmt_arg(node.args[0])}"
+    else:
+        args = [_fmt_arg(a) for a in node.args] + [f"{k}={_fmt_arg(v)}" for k, v in node.kwargs.items()]
+        body = f"%{node.name} = {target_name(node.target)}({', '.join(args)})"
+    line = f"{body}  : {describe_val(node.meta.get('val'))}"
+    if CREATED_BY in node.meta:
+        line += f"  <- {node.meta[CREATED_BY]}"
+    return line
+
+
+def format_graph(gm: fx.GraphModule) -> str:
+    """The graph as text, one node a line, with shape, dtype and creating pass."""
+    return "\n".join(format_node(n) for n in gm.graph.nodes)
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A new GraphModule over a copy of the graph that shares gm's tensors (no weight copy).
+
+    The PassManager runs each pass on such a copy, so a pass that fails half-way
+    leaves the previous graph intact.
+    """
+    graph = fx.Graph()
+    graph._codegen = copy.deepcopy(gm.graph._codegen)
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    new = fx.GraphModule(gm, graph)
+    new.meta.update(getattr(gm, "meta", {}))
+    for node, old in zip(new.graph.nodes, gm.graph.nodes):
+        node.meta = dict(old.meta)
+    return new
+
+
+def verify_graph(gm: fx.GraphModule) -> None:
+    """Lint the graph and check every value node has ``meta["val"]``; raise on the first problem."""
+    gm.graph.lint()
+    for node in gm.graph.nodes:
+        if node.op in ("output",):
+            continue
+        if "val" not in node.meta:
+            raise ValueError(f"node {node.name} ({target_name(node.target)}) has no meta['val']")
+        if node.op == "get_attr" and get_constant(node) is None and not hasattr(gm, node.target):
+            raise ValueError(f"get_attr {node.name} points at missing attribute {node.target!r}")
+
+
+def users_of(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    return {u for n in nodes for u in n.users}

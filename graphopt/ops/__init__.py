@@ -1,0 +1,15 @@
+"""The ``graphopt::`` custom-op library.
+
+Every fusion pass rewrites a subgraph into one of these ops. Each op is a real
+``torch.library`` custom op with a reference implementation in plain torch (so a
+graph after any pass still runs eagerly on any device) and a fake implementation
+(so passes can give new nodes a correct ``meta["val"]``). Backends lower each op to
+their own kernel; an op a backend cannot lower runs its reference implementation.
+
+Importing this package registers every op; ``graphopt.ops.OPS`` lists them.
+"""
+
+from graphopt.ops import activations, attention, norms, rope  # noqa: F401  (registers ops)
+from graphopt.ops._library import OPS, op_name
+
+__all__ = ["OPS", "op_name"]

@@ -1,0 +1,230 @@
+"""The pass protocol and the PassManager that runs a pipeline of passes.
+
+A pass is one object with ``name``, a one-line ``summary``, an ``Options`` dataclass,
+``requires`` (passes that must run before it) and ``run(gm, ctx) -> PassResult``.
+Everything around the passes (timing, printing, verification, numeric checks,
+disabling, the bisect limit, falling back on failure) lives here and in
+``graphopt.instrument``, never inside a pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.config import Options
+from graphopt.errors import OptionsError, PassFailed
+
+log = logging.getLogger("graphopt")
+
+
+@dataclass
+class NoOptions:
+    """Options of a pass that takes none."""
+
+
+@dataclass
+class NearMiss:
+    """A candidate a pass looked at and did not rewrite, with the reason."""
+
+    pass_name: str
+    anchor: str  # the node the match started from
+    node: str  # the node where matching stopped
+    reason: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PassResult:
+    gm: fx.GraphModule
+    modified: bool
+    stats: dict[str, int] = field(default_factory=dict)  # at least "matches"
+    near_misses: list[NearMiss] = field(default_factory=list)
+
+
+@runtime_checkable
+class Pass(Protocol):
+    name: str
+    summary: str
+    Options: type
+    requires: tuple[str, ...]
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult: ...
+
+
+@dataclass
+class Rewrite:
+    """One rewrite a pass made, numbered across the whole pipeline (for bisecting)."""
+
+    index: int
+    pass_name: str
+    node: str
+    target: str
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class PassContext:
+    """What a pass may ask of the pipeline: its options and permission to rewrite."""
+
+    def __init__(self, config: Options | None = None, example_inputs: Sequence[Any] | None = None):
+        self.config = config or Options()
+        self.example_inputs = example_inputs
+        self.rewrites: list[Rewrite] = []
+        self._rewrite_count = 0
+        self._pass_options: dict[str, Any] = {}
+
+    def options_for(self, p: Pass) -> Any:
+        """The pass's Options instance, built from ``config.pass_options[p.name]``."""
+        if p.name not in self._pass_options:
+            given = self.config.pass_options.get(p.name, {})
+            valid = {f.name for f in dataclasses.fields(p.Options)}
+            unknown = set(given) - valid
+            if unknown:
+                raise OptionsError(
+                    f"unknown option(s) {', '.join(sorted(unknown))} for pass {p.name}; "
+                    f"valid: {', '.join(sorted(valid)) or 'none'}"
+                )
+            self._pass_options[p.name] = p.Options(**given)
+        return self._pass_options[p.name]
+
+    def allow_rewrite(self, pass_name: str, node: fx.Node) -> bool:
+        """Count one rewrite; False once the bisect limit is spent (LLVM's opt-bisect-limit)."""
+        self._rewrite_count += 1
+        limit = self.config.bisect_limit
+        if 0 <= limit < self._rewrite_count:
+            return False
+        self.rewrites.append(Rewrite(self._rewrite_count, pass_name, node.name, ir.target_name(node.target)))
+        return True
+
+    @property
+    def rewrite_count(self) -> int:
+        return self._rewrite_count
+
+
+@dataclass
+class PassRecord:
+    """What one pass did in one pipeline run; ``to_dict`` is part of the report."""
+
+    name: str
+    status: str = "unchanged"  # changed | unchanged | failed | disabled
+    matches: int = 0
+    time_ms: float = 0.0
+    nodes_before: int = 0
+    nodes_after: int = 0
+    stats: dict[str, int] = field(default_factory=dict)
+    near_misses: int = 0
+    error: str | None = None
+    numerics: dict[str, float] | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class PipelineResult:
+    gm: fx.GraphModule
+    records: list[PassRecord]
+    near_misses: list[NearMiss]
+    fallbacks: list[dict]
+    rewrites: list[Rewrite]
+
+
+class Instrument:
+    """Hooks the PassManager calls around each pass. Subclass and override what you need."""
+
+    def before_pass(self, p: Pass, gm: fx.GraphModule, ctx: PassContext) -> None: ...
+
+    def after_pass(self, p: Pass, before: fx.GraphModule, after: fx.GraphModule,
+                   record: PassRecord, ctx: PassContext) -> None: ...
+
+    def after_failure(self, p: Pass, gm: fx.GraphModule, error: BaseException,
+                      record: PassRecord, ctx: PassContext) -> None: ...
+
+
+class PassManager:
+    """Runs passes in order on copies of the graph, with instrumentation and fallback."""
+
+    def __init__(self, passes: Sequence[Pass], instruments: Sequence[Instrument] = (),
+                 disabled: Sequence[str] = (), verify: bool = True, fallback: str = "eager"):
+        self.passes = list(passes)
+        self.instruments = list(instruments)
+        self.disabled = set(disabled)
+        self.verify = verify
+        self.fallback = fallback
+        check_preconditions([p for p in self.passes if p.name not in self.disabled])
+
+    @classmethod
+    def from_options(cls, config: Options, instruments: Sequence[Instrument] = ()) -> PassManager:
+        from graphopt.pipeline import build_pipeline
+
+        passes = build_pipeline(config.pipeline or None)
+        return cls(passes, instruments, disabled=config.disable_passes,
+                   verify=config.verify, fallback=config.fallback)
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PipelineResult:
+        records, near_misses, fallbacks = [], [], []
+        for p in self.passes:
+            record = PassRecord(p.name, nodes_before=ir.node_count(gm))
+            records.append(record)
+            if p.name in self.disabled:
+                record.status, record.nodes_after = "disabled", record.nodes_before
+                continue
+            gm = self._run_one(p, gm, ctx, record, near_misses, fallbacks)
+        return PipelineResult(gm, records, near_misses, fallbacks, list(ctx.rewrites))
+
+    def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, record: PassRecord,
+                 near_misses: list, fallbacks: list) -> fx.GraphModule:
+        for inst in self.instruments:
+            inst.before_pass(p, gm, ctx)
+        work = ir.copy_graph_module(gm)
+        start = time.perf_counter()
+        try:
+            result = p.run(work, ctx)
+            if self.verify and result.modified:
+                ir.verify_graph(result.gm)
+        except Exception as error:  # a broken pass must not break the user's model
+            record.time_ms = (time.perf_counter() - start) * 1e3
+            record.status, record.nodes_after = "failed", record.nodes_before
+            record.error = f"{type(error).__name__}: {error}"
+            log.debug("pass %s failed:\n%s", p.name, traceback.format_exc())
+            for inst in self.instruments:
+                inst.after_failure(p, work, error, record, ctx)
+            if self.fallback == "error":
+                raise PassFailed(f"graphopt pass {p.name} failed: {record.error}") from error
+            log.warning("graphopt: pass %s failed (%s); skipped it", p.name, record.error)
+            fallbacks.append({"where": f"pass:{p.name}", "reason": record.error})
+            return gm
+        record.time_ms = (time.perf_counter() - start) * 1e3
+        record.stats = dict(result.stats)
+        record.matches = int(result.stats.get("matches", 0))
+        record.near_misses = len(result.near_misses)
+        record.status = "changed" if result.modified else "unchanged"
+        record.nodes_after = ir.node_count(result.gm)
+        near_misses.extend(result.near_misses)
+        for inst in self.instruments:
+            inst.after_pass(p, gm, result.gm, record, ctx)
+        return result.gm
+
+
+def check_preconditions(passes: Sequence[Pass]) -> None:
+    """Each pass's ``requires`` must appear earlier in the pipeline; say which is missing."""
+    seen: set[str] = set()
+    for p in passes:
+        missing = [r for r in getattr(p, "requires", ()) if r not in seen]
+        if missing:
+            raise OptionsError(
+                f"pass {p.name} needs {', '.join(missing)} to run before it; "
+                f"put {'it' if len(missing) == 1 else 'them'} earlier in the pipeline or disable {p.name}"
+            )
+        seen.add(p.name)

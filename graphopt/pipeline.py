@@ -1,0 +1,28 @@
+"""The default pipeline: one explicit, ordered list of pass names.
+
+Order matters where one pattern feeds another; the comments say why.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from graphopt.pass_manager import Pass, check_preconditions
+from graphopt.registry import get_pass
+
+DEFAULT_PIPELINE: tuple[str, ...] = (
+    "canonicalize",  # drops identity ops (x*1, aliases) that would split patterns
+    "fuse_rms_norm",
+)
+
+
+def build_pipeline(names: Sequence[str] | None = None) -> list[Pass]:
+    """Pass objects for ``names`` (default pipeline if None), with preconditions checked."""
+    passes = [get_pass(n) for n in (names or DEFAULT_PIPELINE)]
+    check_preconditions(passes)
+    return passes
+
+
+def pipeline_string(passes: Sequence[Pass]) -> str:
+    """``"a,b,c"``: what ``--pipeline`` takes back, for reproducers."""
+    return ",".join(p.name for p in passes)

@@ -1,0 +1,79 @@
+"""Targets: where an optimized graph runs. The protocol, hardware detection, ``auto``.
+
+A target is an object with ``name``, ``unavailable_reason(config) -> str | None`` (None
+when it can run here) and ``compile(gm, example_inputs, ctx) -> callable``. Targets
+live under backends/ and are looked up by name through ``graphopt.registry.TARGETS``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphopt.config import Options
+from graphopt.errors import TargetUnavailable
+from graphopt.registry import TARGETS
+
+
+class Target(Protocol):
+    name: str
+
+    def unavailable_reason(self, config: Options) -> str | None: ...
+
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options) -> Callable: ...
+
+
+@functools.cache
+def detect_hardware() -> str:
+    """``"cuda"`` (NVIDIA), ``"rocm"`` (AMD, HIP build of torch) or ``"cpu"``."""
+    if torch.cuda.is_available():
+        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return "cpu"
+
+
+# What target="auto" tries, in order, for each kind of hardware.
+AUTO_ORDER = {
+    "cuda": ("triton", "eager"),
+    "rocm": ("triton", "eager"),
+    "cpu": ("onnxruntime", "eager"),
+}
+
+
+def get_target(name: str) -> Target:
+    """The target object; TargetUnavailable (one line) when its module cannot load."""
+    module_name, attr = TARGETS[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name and error.name.startswith("graphopt"):
+            raise TargetUnavailable(f"target {name!r} is not part of this graphopt version yet") from error
+        raise TargetUnavailable(
+            f"target {name!r} needs the Python package {error.name!r}; install it with "
+            f"pip install 'graphopt[{name}]'") from error
+    return getattr(module, attr)
+
+
+def resolve_target(config: Options) -> tuple[Target, list[str]]:
+    """The target to use and, for ``auto``, why each earlier choice was passed over."""
+    if config.target != "auto":
+        target = get_target(config.target)
+        reason = target.unavailable_reason(config)
+        if reason:
+            raise TargetUnavailable(f"target {config.target!r} cannot run here: {reason}")
+        return target, []
+    skipped = []
+    for name in AUTO_ORDER[detect_hardware()]:
+        try:
+            target = get_target(name)
+        except TargetUnavailable as error:
+            skipped.append(str(error))
+            continue
+        reason = target.unavailable_reason(config)
+        if reason is None:
+            return target, skipped
+        skipped.append(f"{name}: {reason}")
+    raise TargetUnavailable("no target can run here: " + "; ".join(skipped))

@@ -1,0 +1,62 @@
+"""Drop identity ops: ``alias(x)``, ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0``, a cast to
+x's own dtype  ->  ``x``.
+
+Why: models write these (Hugging Face scales rotary cos/sin by an ``attention_scaling``
+of 1.0, adds 0 to position offsets) and each one splits a pattern a fusion pass looks
+for. Precondition: the op must not change dtype, shape or device, and its value must not
+be a graph output (returning an input would make an output alias it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from graphopt.rewrite import NoMatch, PatternPass, expect, is_cast, replace_uses, scalar, val
+
+aten = torch.ops.aten
+
+_IDENTITY_SCALAR = {
+    aten.mul.Tensor: 1.0,
+    aten.mul.Scalar: 1.0,
+    aten.div.Tensor: 1.0,
+    aten.div.Scalar: 1.0,
+    aten.add.Tensor: 0.0,
+    aten.add.Scalar: 0.0,
+    aten.sub.Tensor: 0.0,
+    aten.sub.Scalar: 0.0,
+}
+
+
+def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = val(a), val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
+            and va.dtype == vb.dtype and va.shape == vb.shape and va.device == vb.device)
+
+
+class Canonicalize(PatternPass):
+    name = "canonicalize"
+    summary = "drop identity ops (alias, x*1, x+0, casts to the same dtype) that split patterns"
+    anchors = (aten.alias.default, aten._to_copy.default, *_IDENTITY_SCALAR)
+    record_near_misses = False
+
+    def match(self, node: fx.Node, options) -> fx.Node:
+        expect(all(u.op != "output" for u in node.users), "value is a graph output")
+        source = node.args[0]
+        if node.target is aten.alias.default:
+            pass
+        elif node.target is aten._to_copy.default:
+            expect(is_cast(node), "cast changes more than the dtype")
+        else:
+            identity = _IDENTITY_SCALAR[node.target]
+            other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
+            expect(scalar(other) == identity and "alpha" not in node.kwargs, "not an identity constant")
+        if not isinstance(source, fx.Node) or not _same_value_shape(source, node):
+            raise NoMatch("changes dtype, shape or device", node)
+        return node
+
+    def rewrite(self, gm: fx.GraphModule, node: fx.Node, options) -> None:
+        replace_uses(node, node.args[0])
+
+
+canonicalize = Canonicalize()
