@@ -43,7 +43,8 @@ def match_rms_core(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float]:
     expect(eps is not None, "eps is not a constant", add)
     single_use(expect_op(mean, aten.mean.dim, "variance"), "mean")
     dims, keepdim = mean.args[1], (mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False))
-    expect(is_last_dim(dims, mean.args[0]), f"mean over dim {dims}, expected -1", mean)
+    shown = dims[0] if isinstance(dims, (list, tuple)) and len(dims) == 1 else dims
+    expect(is_last_dim(dims, mean.args[0]), f"mean over dim {shown}, expected -1", mean)
     expect(bool(keepdim), "mean drops the reduced dim (keepdim=False)", mean)
     square = single_use(mean.args[0], "square")
     if is_op(square, aten.pow.Tensor_Scalar):

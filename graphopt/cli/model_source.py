@@ -270,13 +270,20 @@ def _load_safetensors(model: nn.Module, files: list[Path]) -> None:
                     f"{file} is not a readable safetensors file ({_first_line(exc)}); re-save the checkpoint"
                 ) from None
     missing = _missing(targets, loaded)
+    # A task-head checkpoint has no pooler, and the last hidden state never reads it.
+    pooler = [k for k in missing if k.startswith("pooler.")]
+    if pooler:
+        log.warning("the checkpoint has no pooler weights; pooler_output is random")
+        missing = [k for k in missing if k not in pooler]
     if missing:
         raise ModelLoadError(
             f"the checkpoint lacks {len(missing)} weights the config needs (first: {missing[0]}); "
             "check it is complete and matches config.json"
         )
     if unexpected:
-        log.warning("ignored %d checkpoint tensors the model has no place for (first: %s)", len(unexpected), unexpected[0])
+        log.warning(
+            "ignored %d checkpoint tensors the model has no place for (first: %s)", len(unexpected), unexpected[0]
+        )
 
 
 def _missing(targets: dict[str, Tensor], loaded: set[str]) -> list[str]:
@@ -326,7 +333,9 @@ def _from_factory(spec: str, seed: int, batch: int, seq_len: int) -> LoadedModel
     try:
         result = target(seed=seed) if takes_seed else target()
     except Exception as exc:
-        raise ModelLoadError(f"factory {spec} raised {type(exc).__name__}: {_first_line(exc)}; fix the factory") from None
+        raise ModelLoadError(
+            f"factory {spec} raised {type(exc).__name__}: {_first_line(exc)}; fix the factory"
+        ) from None
     module, inputs = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
     if not isinstance(module, nn.Module):
         raise ModelLoadError(
