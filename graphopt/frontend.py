@@ -32,8 +32,10 @@ from graphopt.report import CompileReport, record
 log = logging.getLogger("graphopt")
 
 
-def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Options) -> Callable:
-    """The torch.compile backend body: aot_autograd to ATen, then graphopt's compiler."""
+def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Options,
+                         compile_fn: Callable = compile_graph) -> Callable:
+    """The torch.compile backend body: aot_autograd to ATen, then ``compile_fn``
+    (graphopt's compiler; ``capture_aten_graphs`` passes one that keeps the graph)."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     real_inputs = list(example_inputs)
@@ -55,7 +57,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
         user_inputs = [real_inputs[i] for i in keep] if aligned else None
         if user_inputs is not None and not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in user_inputs):
             user_inputs = None  # symbolic inputs: nothing concrete to run numeric checks on
-        compiled = compile_graph(fw_gm, user_inputs, config, "dynamo", len(frozen), notes)
+        compiled = compile_fn(fw_gm, user_inputs, config, "dynamo", len(frozen), notes)
         if not frozen:
             return compiled
 
@@ -78,6 +80,35 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
         report.add_fallback("frontend", reason)
         record(report)
         return gm.forward
+
+
+@dataclass
+class CapturedGraph:
+    """An ATen graph exactly as the backend would optimize it, with its inputs."""
+
+    gm: fx.GraphModule
+    example_inputs: list | None
+    frozen_weights: int
+
+
+def capture_aten_graphs(module: Callable, inputs: Sequence[Any], config: Options | None = None) -> list[CapturedGraph]:
+    """Run ``module(*inputs)`` under torch.compile and keep each frozen ATen graph instead
+    of optimizing it: what ``graphopt debug`` runs the pipeline on."""
+    config = config or Options()
+    captured: list[CapturedGraph] = []
+
+    def keep(fw_gm, user_inputs, config, frontend, frozen, notes):
+        captured.append(CapturedGraph(ir.copy_graph_module(fw_gm), user_inputs, frozen))
+        return fw_gm
+
+    def backend(gm, example_inputs):
+        return compile_dynamo_graph(gm, example_inputs, config, compile_fn=keep)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(module, backend=backend)(*inputs)
+    torch._dynamo.reset()
+    return captured
 
 
 def dynamo_input_names(gm: fx.GraphModule) -> list[str]:
@@ -174,6 +205,15 @@ def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None =
         node.replace_all_uses_with(const)
         gm.graph.erase_node(node)
         frozen += 1
+    _drop_metadata_asserts(gm)
     gm.recompile()
     flat_inputs = [a for a in torch.utils._pytree.tree_leaves((tuple(args), kwargs or {}))]
     return AtenProgram(gm, tuple(flat_inputs), program.call_spec.out_spec, frozen)
+
+
+def _drop_metadata_asserts(gm: fx.GraphModule) -> None:
+    """Remove export's ``_assert_tensor_metadata`` checks: they assert dtypes and devices
+    the fake tensors already prove, and as extra users they would block fusions."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten._assert_tensor_metadata.default:
+            gm.graph.erase_node(node)

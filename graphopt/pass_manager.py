@@ -87,15 +87,7 @@ class PassContext:
     def options_for(self, p: Pass) -> Any:
         """The pass's Options instance, built from ``config.pass_options[p.name]``."""
         if p.name not in self._pass_options:
-            given = self.config.pass_options.get(p.name, {})
-            valid = {f.name for f in dataclasses.fields(p.Options)}
-            unknown = set(given) - valid
-            if unknown:
-                raise OptionsError(
-                    f"unknown option(s) {', '.join(sorted(unknown))} for pass {p.name}; "
-                    f"valid: {', '.join(sorted(valid)) or 'none'}"
-                )
-            self._pass_options[p.name] = p.Options(**given)
+            self._pass_options[p.name] = build_pass_options(p, self.config.pass_options.get(p.name, {}))
         return self._pass_options[p.name]
 
     def allow_rewrite(self, pass_name: str, node: fx.Node) -> bool:
@@ -140,6 +132,21 @@ class PipelineResult:
     rewrites: list[Rewrite]
 
 
+def build_pass_options(p: Pass, given: dict) -> Any:
+    """``p.Options(**given)``, or OptionsError naming the valid keys."""
+    valid = {f.name for f in dataclasses.fields(p.Options)}
+    unknown = set(given) - valid
+    if unknown:
+        raise OptionsError(
+            f"unknown option(s) {', '.join(sorted(unknown))} for pass {p.name}; "
+            f"valid: {', '.join(sorted(valid)) or 'none'}"
+        )
+    try:
+        return p.Options(**given)
+    except (TypeError, ValueError) as error:
+        raise OptionsError(f"bad options for pass {p.name}: {error}") from error
+
+
 class Instrument:
     """Hooks the PassManager calls around each pass. Subclass and override what you need."""
 
@@ -169,6 +176,10 @@ class PassManager:
         from graphopt.pipeline import build_pipeline
 
         passes = build_pipeline(config.pipeline or None)
+        from graphopt.registry import get_pass
+
+        for name, given in config.pass_options.items():  # user errors surface now, not as pass failures
+            build_pass_options(get_pass(name), given)
         return cls(passes, instruments, disabled=config.disable_passes,
                    verify=config.verify, fallback=config.fallback)
 

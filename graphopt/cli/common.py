@@ -1,0 +1,46 @@
+"""Pieces the CLI commands share: option parsing, model loading, timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphopt.config import Options
+from graphopt.errors import OptionsError
+
+MODEL_HELP = ("a built-in model (see `graphopt models`), a Hugging Face config.json, a checkpoint "
+              "directory with safetensors weights, or package.module:factory")
+
+
+def parse_options(pairs: Sequence[str], **given: Any) -> Options:
+    """``["target=eager", "check_numerics=true"]`` plus flags -> validated Options."""
+    values: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise OptionsError(f"--option expects key=value, got {pair!r}")
+        values[key.strip()] = value.strip()
+    values.update({k: v for k, v in given.items() if v is not None})
+    return Options.parse(values)
+
+
+def load(spec: str, seed: int, batch: int, seq_len: int):
+    from graphopt.cli.model_source import load_model
+
+    return load_model(spec, seed=seed, batch=batch, seq_len=seq_len)
+
+
+def time_ms(fn: Callable, inputs: Sequence[Any], repeat: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn(*inputs)`` in milliseconds, after ``warmup`` calls."""
+    with torch.no_grad():
+        for _ in range(warmup):
+            fn(*inputs)
+        samples = []
+        for _ in range(max(1, repeat)):
+            start = time.perf_counter()
+            fn(*inputs)
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)

@@ -1,0 +1,72 @@
+"""The ``graphopt`` command line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import typer
+
+from graphopt.cli import debug_cmd, passes_cmd, run_cmd
+from graphopt.cli.output import console, error_line, print_json, table
+from graphopt.errors import GraphoptError
+
+app = typer.Typer(
+    help="graphopt: compile PyTorch models for inference with fusion, KV-cache and INT4 passes.\n\n"
+         "Start with: graphopt run llama-tiny",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("passes")(passes_cmd.passes)
+app.command("run")(run_cmd.run)
+app.command("debug")(debug_cmd.debug)
+
+
+@app.command("models")
+def models_cmd(json_out: bool = typer.Option(False, "--json", help="print a JSON list")) -> None:
+    """List the built-in models (seeded random weights).
+
+    Example: graphopt models --json
+    """
+    from graphopt import models
+
+    rows = [{"name": m.name, "family": m.family, "parameters": m.params, "description": m.description}
+            for m in models.list_models()]
+    if json_out:
+        print_json(rows)
+        return
+    console.print(table("built-in models", ["name", "family", "parameters", "description"],
+                        [[r["name"], r["family"], f"{r['parameters'] / 1e6:.1f}M", r["description"]] for r in rows]))
+
+
+@app.command("options")
+def options_cmd(json_out: bool = typer.Option(False, "--json", help="print a JSON list")) -> None:
+    """List the backend options torch.compile(..., options={...}) and --option take.
+
+    Example: graphopt run llama-tiny -o check_numerics=true -o disable_passes=fuse_rms_norm
+    """
+    from graphopt.config import describe_options
+
+    rows = describe_options()
+    if json_out:
+        print_json(rows)
+        return
+    console.print(table("graphopt options", ["option", "type", "default", "choices", "help"],
+                        [[r["name"], r["type"], repr(r["default"]), " | ".join(r["choices"]), r["help"]] for r in rows]))
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        app()
+    except GraphoptError as error:
+        error_line(str(error))
+        sys.exit(2)
+    except KeyboardInterrupt:
+        error_line("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""PassManager instrumentation: disable, bisect limit, print IR, numeric checks, preconditions."""
+
+import io
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from graphopt.config import Options
+from graphopt.errors import OptionsError
+from graphopt.instrument import NumericCheck, PrintIR
+from graphopt.pass_manager import NoOptions, PassContext, PassManager
+from graphopt.registry import get_pass
+from tests.helpers import aten_graph
+
+
+class TwoNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        a = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _graph():
+    x = torch.randn(2, 16)
+    return aten_graph(TwoNorms(), x), [x]
+
+
+def _run(passes, config=None, instruments=(), inputs=None, **kwargs):
+    gm, example = _graph()
+    config = config or Options()
+    manager = PassManager([get_pass(p) for p in passes], instruments, **kwargs)
+    return manager.run(gm, PassContext(config, inputs or example))
+
+
+def test_records_each_pass_in_order():
+    result = _run(["canonicalize", "fuse_rms_norm"])
+    assert [r.name for r in result.records] == ["canonicalize", "fuse_rms_norm"]
+    rms = result.records[1]
+    assert rms.status == "changed" and rms.matches == 2 and rms.nodes_after < rms.nodes_before
+    assert [r.pass_name for r in result.rewrites] == ["fuse_rms_norm", "fuse_rms_norm"]
+
+
+def test_disabled_pass_does_not_run():
+    result = _run(["fuse_rms_norm"], disabled=["fuse_rms_norm"])
+    assert result.records[0].status == "disabled"
+    assert not any(n.target == torch.ops.graphopt.rms_norm.default for n in result.gm.graph.nodes)
+
+
+def test_bisect_limit_stops_after_n_rewrites():
+    result = _run(["fuse_rms_norm"], config=Options(bisect_limit=1))
+    assert result.records[0].matches == 1
+    assert [m.reason for m in result.near_misses] == ["bisect limit reached"]
+    assert len(result.rewrites) == 1
+
+
+def test_print_ir_after_change_and_diff():
+    stream = io.StringIO()
+    printer = PrintIR(after_change=True, diff=True, stream=stream)
+    _run(["canonicalize", "fuse_rms_norm"], instruments=[printer])
+    text = stream.getvalue()
+    assert "IR diff fuse_rms_norm" in text and "IR diff canonicalize" not in text  # unchanged: not printed
+    assert "+%rms_norm" in text and "graphopt.rms_norm" in text and "<- fuse_rms_norm" in text
+    assert "-%rsqrt" in text
+
+
+def test_print_ir_before_shows_shapes():
+    printer = PrintIR(before=["fuse_rms_norm"])
+    _run(["fuse_rms_norm"], instruments=[printer])
+    (chunk,) = printer.chunks
+    assert chunk["when"] == "before" and "f32[2, 16]" in chunk["text"]
+
+
+@dataclass
+class ChangesEps:
+    """A wrong pass: rewrites every rms_norm's eps to 1.0 (a planted numeric bug)."""
+
+    name: str = "fuse_rms_norm"  # pretends to be a real pass
+    summary: str = "wrong on purpose"
+    Options: type = NoOptions
+    requires: tuple = ()
+
+    def run(self, gm, ctx):
+        from graphopt.pass_manager import PassResult
+
+        result = get_pass("fuse_rms_norm").run(gm, ctx)
+        for node in result.gm.graph.nodes:
+            if node.target == torch.ops.graphopt.rms_norm.default:
+                node.args = (node.args[0], node.args[1], 1.0, node.args[3])
+        result.gm.recompile()
+        return result
+
+
+def test_numeric_check_flags_the_first_bad_pass():
+    gm, inputs = _graph()
+    checker = NumericCheck(inputs, tolerance=1e-5)
+    manager = PassManager([get_pass("canonicalize"), ChangesEps()], [checker])
+    result = manager.run(gm, PassContext(Options(), inputs))
+    assert checker.first_bad == "fuse_rms_norm"
+    assert result.records[1].numerics["ok"] is False and result.records[1].numerics["rel_err"] > 1e-3
+
+
+def test_numeric_check_passes_a_correct_pipeline():
+    gm, inputs = _graph()
+    checker = NumericCheck(inputs, tolerance=1e-5)
+    result = PassManager([get_pass("fuse_rms_norm")], [checker]).run(gm, PassContext(Options(), inputs))
+    assert checker.first_bad is None and result.records[0].numerics["ok"] is True
+
+
+def test_requires_is_checked_when_the_pipeline_is_built():
+    @dataclass
+    class NeedsRms:
+        name: str = "after_rms"
+        summary: str = "needs fuse_rms_norm"
+        Options: type = NoOptions
+        requires: tuple = ("fuse_rms_norm",)
+
+        def run(self, gm, ctx):
+            raise AssertionError("never runs")
+
+    with pytest.raises(OptionsError, match="pass after_rms needs fuse_rms_norm to run before it"):
+        PassManager([NeedsRms(), get_pass("fuse_rms_norm")])
+    PassManager([get_pass("fuse_rms_norm"), NeedsRms()])  # right order: fine
+
+
+def test_a_pass_that_breaks_metadata_is_rejected_by_verify():
+    @dataclass
+    class DropsMeta:
+        name: str = "drops_meta"
+        summary: str = "forgets meta['val']"
+        Options: type = NoOptions
+        requires: tuple = ()
+
+        def run(self, gm, ctx):
+            from graphopt.pass_manager import PassResult
+
+            node = next(n for n in gm.graph.nodes if n.op == "call_function")
+            del node.meta["val"]
+            return PassResult(gm, modified=True, stats={"matches": 1})
+
+    gm, inputs = _graph()
+    result = PassManager([DropsMeta()]).run(gm, PassContext(Options(), inputs))
+    assert result.records[0].status == "failed" and "has no meta['val']" in result.records[0].error
+    assert all("val" in n.meta for n in result.gm.graph.nodes if n.op != "output")  # old graph kept

@@ -1,0 +1,45 @@
+"""canonicalize: identity ops go, anything that changes a value stays."""
+
+import torch
+from torch import nn
+
+from tests.helpers import assert_matches_eager, compile_with_graphopt, count, eager
+
+
+class Identities(nn.Module):
+    def forward(self, x):
+        y = torch.sin(x) * 1.0
+        y = (y + 0) / 1.0
+        return torch.cos(y.to(torch.float32))
+
+
+def test_removes_identity_ops():
+    x = torch.randn(4, 8)
+    out, report = compile_with_graphopt(Identities(), x, passes=["canonicalize"])
+    assert report.passes[0].matches >= 3
+    assert set(report.op_counts) == {"aten.sin", "aten.cos"}
+    assert_matches_eager(out, eager(Identities(), x), rel=0)
+
+
+class RealOps(nn.Module):
+    def forward(self, x):
+        return (x * 2.0 + 1).to(torch.float16), x * 1.0  # the second is an output: kept
+
+
+def test_skips_value_changing_ops_and_graph_outputs():
+    x = torch.randn(4, 8)
+    out, report = compile_with_graphopt(RealOps(), x, passes=["canonicalize"])
+    assert count(report, "aten.mul") == 2 and count(report, "aten._to_copy") == 1
+    assert_matches_eager(out, eager(RealOps(), x), rel=0)
+
+
+class Broadcasting(nn.Module):
+    def forward(self, x, ones):
+        return torch.relu(x * ones)  # ones broadcasts x up: not an identity
+
+
+def test_skips_multiply_that_broadcasts():
+    x, ones = torch.randn(8), torch.ones(3, 8)
+    out, report = compile_with_graphopt(Broadcasting(), x, ones, passes=["canonicalize"])
+    assert count(report, "aten.mul") == 1
+    assert_matches_eager(out, eager(Broadcasting(), x, ones), rel=0)
