@@ -33,14 +33,17 @@ def load(spec: str, seed: int, batch: int, seq_len: int):
     return load_model(spec, seed=seed, batch=batch, seq_len=seq_len)
 
 
-def time_ms(fn: Callable, inputs: Sequence[Any], repeat: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn(*inputs)`` in milliseconds, after ``warmup`` calls."""
+def time_ms(fns: Sequence[Callable], inputs: Sequence[Any], repeat: int, warmup: int = 2) -> list[float]:
+    """Median wall time in ms of each ``fn(*inputs)``, measured round-robin so that every
+    function sees the same machine noise (these machines are shared), after ``warmup`` calls."""
+    samples: list[list[float]] = [[] for _ in fns]
     with torch.no_grad():
-        for _ in range(warmup):
-            fn(*inputs)
-        samples = []
+        for fn in fns:
+            for _ in range(warmup):
+                fn(*inputs)
         for _ in range(max(1, repeat)):
-            start = time.perf_counter()
-            fn(*inputs)
-            samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+            for fn, times in zip(fns, samples):
+                start = time.perf_counter()
+                fn(*inputs)
+                times.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(times) for times in samples]

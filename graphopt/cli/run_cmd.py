@@ -33,7 +33,6 @@ def run(
     module, inputs = loaded.module, loaded.example_inputs
     with torch.no_grad():
         expected = module(*inputs)
-    eager_ms = time_ms(module, inputs, repeat)
 
     graphopt.reset()
     torch._dynamo.reset()
@@ -42,7 +41,7 @@ def run(
         start = time.perf_counter()
         actual = compiled(*inputs)
         compile_s = time.perf_counter() - start
-    graphopt_ms = time_ms(compiled, inputs, repeat)
+    eager_ms, graphopt_ms = time_ms([module, compiled], inputs, repeat)
     diff = compare(actual, expected)
     reports = graphopt.reports()
     targets = sorted({r.target for r in reports}) or ["eager"]
