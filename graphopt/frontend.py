@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
+from torch._dynamo.exc import RestartAnalysis
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -69,8 +70,8 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
     try:
         with torch.no_grad():  # inference graphs: no joint forward/backward trace
             return aot_module_simplified(gm, real_inputs, fw_compiler=fw_compiler)
-    except GraphoptError:
-        raise
+    except (GraphoptError, RestartAnalysis):
+        raise  # user errors, and dynamo's own control flow (it retraces and calls us again)
     except Exception as error:
         if config.fallback == "error":
             raise BackendFailed(f"graphopt frontend failed: {type(error).__name__}: {error}") from error

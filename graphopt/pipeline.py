@@ -11,8 +11,14 @@ from graphopt.pass_manager import Pass, check_preconditions
 from graphopt.registry import get_pass
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
-    "canonicalize",  # drops identity ops (x*1, aliases) that would split patterns
+    "canonicalize",  # drops identity ops (x*1, same-dtype casts) that would split patterns
     "fuse_rms_norm",
+    "fuse_add_rms_norm",  # composes on graphopt.rms_norm, so after fuse_rms_norm
+    "fuse_softmax_rms_norm",  # likewise
+    "fuse_layer_norm",  # after fuse_rms_norm: it also folds rms_norm(x - mean(x)) back into LayerNorm
+    "fuse_gated_mlp",  # before fuse_bias_gelu, which would turn GeGLU's gelu into bias_gelu
+    "fuse_bias_gelu",
+    "merge_qkv",
 )
 
 

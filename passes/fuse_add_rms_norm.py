@@ -1,0 +1,222 @@
+"""Residual add + RMSNorm: ``s = a + b; y = graphopt.rms_norm(s, w, eps)  ->
+y, s = graphopt.add_rms_norm(a, b, w, eps)``.
+
+Why: in a pre-norm transformer every norm but the first reads ``residual + branch``, and
+the sum is also the next residual. The fused op reads a and b once and writes y and s in
+one pass over the row (a Triton kernel, ORT's SkipSimplifiedLayerNormalization) instead
+of writing s and reading it back for the norm.
+
+Runs after fuse_rms_norm and matches its ``graphopt.rms_norm`` node, so every RMSNorm
+spelling that pass knows composes here. The other users of the sum (the residual stream)
+read the op's second output.
+
+Spellings matched: the norm reading the sum directly; the norm reading the sum through
+exact upcasts (``s.float()``) when its result is cast back to the sum's dtype (Gemma's
+``norm(x.float()) * (1 + w.float())`` then ``type_as(x)``, where fuse_rms_norm keeps the
+cast because the weight multiply sits between the norm and the cast back).
+Preconditions: a plain two-tensor ``aten.add`` (no alpha, no scalar); both operands have
+the sum's shape and dtype (no broadcasting, no type promotion); no other user of the sum
+sits before the point where the norm's weight is available.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.rewrite import NoMatch, PatternPass, cast_like, expect, is_cast, is_op, scalar, val
+
+aten = torch.ops.aten
+
+_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
+
+# --- generic helpers (candidates for graphopt/rewrite.py) ------------------------------
+
+def norm_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of a graphopt norm call by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def is_dtype_cast(node: Any) -> bool:
+    """``is_cast``, plus ``_to_copy(x, dtype, layout=strided, device=<x's device>)``: the
+    form ``type_as`` lowers to, which changes nothing but the dtype either."""
+    if is_cast(node):
+        return True
+    if not is_op(node, aten._to_copy.default) or len(node.args) != 1:
+        return False
+    if not set(node.kwargs) <= {"dtype", "layout", "device"}:
+        return False
+    src, out = val(node.args[0]), val(node)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and node.kwargs.get("layout", torch.strided) == torch.strided
+            and src.layout == torch.strided and src.device == out.device)
+
+
+def is_exact_upcast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every value of ``src`` is exactly representable in ``dst`` (f16/bf16 -> f32 -> f64)."""
+    return src in _FLOAT_BITS and dst in _FLOAT_BITS and _FLOAT_BITS[dst] > _FLOAT_BITS[src]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def cast_back_user(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
+    """``node``'s only user when that user is a cast to ``dtype``, else None."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    return user if is_dtype_cast(user) and val(user).dtype == dtype else None
+
+
+# --- the pass ---------------------------------------------------------------------------
+
+@dataclass
+class AddRmsNormMatch:
+    add: fx.Node
+    x: fx.Node
+    residual: fx.Node
+    weight: fx.Node | None
+    eps: float
+    weight_offset: float
+    output: fx.Node  # the node whose value the op's first output replaces
+    dying: set[fx.Node]  # the norm and the casts feeding it: dead once output is replaced
+    after: fx.Node  # the fused op goes right after this node
+
+
+def _expect_add(node: Any, what: str) -> None:
+    # one message for both overloads: "expected aten.add or aten.add" would read oddly
+    if not is_op(node, aten.add.Tensor, aten.add.Scalar):
+        found = ir.target_name(node.target) if isinstance(node, fx.Node) else repr(node)
+        raise NoMatch(f"{what}: expected aten.add, found {found}", node if isinstance(node, fx.Node) else None)
+
+
+def _read_through_upcasts(norm: fx.Node, x: Any) -> tuple[Any, fx.Node, list[fx.Node]]:
+    """(the value the norm normalises before any cast, the node the fused op replaces,
+    the casts between them). Casts are allowed only when they are exact upcasts and the
+    norm's result is cast back to the source dtype: then the op's rounding of the
+    normalised value to that dtype is what the model does anyway."""
+    casts, source = [], x
+    while is_dtype_cast(source):
+        casts.append(source)
+        source = source.args[0]
+    if not casts:
+        return source, norm, casts
+    _expect_add(source, "norm input (through a cast)")
+    for cast in casts:
+        src, dst = val(cast.args[0]).dtype, val(cast).dtype
+        expect(is_exact_upcast(src, dst),
+               f"norm reads the sum through a cast {dtype_name(src)} -> {dtype_name(dst)}; "
+               "add_rms_norm would normalise the uncast sum", cast)
+    low, high = val(source).dtype, val(x).dtype
+    back = cast_back_user(norm, low)
+    expect(back is not None,
+           f"norm reads the sum upcast {dtype_name(low)} -> {dtype_name(high)} and its result is not cast "
+           f"back; add_rms_norm would round the normalised sum to {dtype_name(low)}", norm)
+    return source, back, casts
+
+
+def _dying(norm: fx.Node, casts: list[fx.Node]) -> set[fx.Node]:
+    """The norm and the casts that only feed it (walking up from the norm)."""
+    dead = {norm}
+    for cast in casts:
+        if not set(cast.users) <= dead:
+            break
+        dead.add(cast)
+    return dead
+
+
+def _nodes_between(first: fx.Node, last: fx.Node) -> set[fx.Node]:
+    """The nodes after ``first`` up to and including ``last`` in graph order."""
+    found, node = set(), first.next
+    while node is not last and node.op != "output":
+        found.add(node)
+        node = node.next
+    return found | {last}
+
+
+def _insertion_point(add: fx.Node, weight: Any, norm: fx.Node) -> fx.Node:
+    """The add, or the weight when the weight is computed after the add (Gemma's
+    ``w.float()``): the fused op needs both. Walks only the span from the add to the norm."""
+    if not isinstance(weight, fx.Node):
+        return add
+    node = add.next
+    while node is not norm:
+        if node is weight:
+            return weight
+        node = node.next
+    return add
+
+
+class FuseAddRmsNorm(PatternPass):
+    name = "fuse_add_rms_norm"
+    summary = "s = a + b; graphopt.rms_norm(s) -> graphopt.add_rms_norm(a, b) returning (norm, s)"
+    requires = ("fuse_rms_norm",)
+    anchors = (torch.ops.graphopt.rms_norm.default,)
+
+    def match(self, norm: fx.Node, options) -> AddRmsNormMatch:
+        args = norm_args(norm)
+        add, output, casts = _read_through_upcasts(norm, args["x"])
+        _expect_add(add, "norm input")
+        expect(add.target is aten.add.Tensor, f"add of a scalar {add.args[1]!r}", add)
+        a, b = add.args[0], add.args[1]
+        alpha = add.kwargs.get("alpha", add.args[2] if len(add.args) > 2 else 1)
+        expect(scalar(alpha) == 1.0, f"add with alpha {alpha}", add)
+        for operand in (a, b):
+            value = val(operand)
+            if not isinstance(value, torch.Tensor) or scalar(operand) is not None:
+                shown = scalar(operand) if scalar(operand) is not None else operand
+                raise NoMatch(f"add of a scalar {shown!r}", add)
+        total = val(add)
+        for operand in (a, b):
+            shape = list(val(operand).shape)
+            expect(shape == list(total.shape), f"residual add broadcasts {shape} to {list(total.shape)}", add)
+        expect(val(a).dtype == val(b).dtype == total.dtype,
+               f"residual add mixes {dtype_name(val(a).dtype)} and {dtype_name(val(b).dtype)}", add)
+
+        dying = _dying(norm, casts)
+        weight = args["weight"]
+        after = _insertion_point(add, weight, norm)
+        if after is not add:
+            # the residual stream reads the fused op's second output: it must exist by then
+            early = _nodes_between(add, after) & (set(add.users) - dying)
+            if early:
+                user = min(early, key=lambda n: n.name)
+                raise NoMatch(f"sum {add.name} is read by {user.name} before the norm weight "
+                              f"{after.name} is computed", user)
+        eps = args["eps"]
+        expect(scalar(eps) is not None, "eps is not a constant", norm)
+        return AddRmsNormMatch(add, a, b, weight, scalar(eps), scalar(args["weight_offset"]) or 0.0,
+                               output, dying, after)
+
+    def rewrite(self, gm: fx.GraphModule, m: AddRmsNormMatch, options) -> None:
+        graph = gm.graph
+        residual_users = [u for u in m.add.users if u not in m.dying]
+        # inserting_before(next) keeps the new nodes in creation order (inserting_after reverses them)
+        with graph.inserting_before(m.after.next):
+            fused = graph.call_function(
+                torch.ops.graphopt.add_rms_norm.default, (m.x, m.residual, m.weight, m.eps, m.weight_offset))
+            ir.infer_val(fused)  # cast_like below reads the getitem's value
+            normed = graph.call_function(operator.getitem, (fused, 0))
+            result = cast_like(gm, normed, m.output)
+            total = graph.call_function(operator.getitem, (fused, 1)) if residual_users else None
+        m.output.replace_all_uses_with(result)
+        if total is not None:
+            m.add.replace_all_uses_with(total, delete_user_cb=lambda user: user not in m.dying)
+
+
+fuse_add_rms_norm = FuseAddRmsNorm()

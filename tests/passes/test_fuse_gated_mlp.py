@@ -1,0 +1,221 @@
+"""fuse_gated_mlp: the spellings it must fuse, the near misses it must leave, numerics."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphopt.compiler
+from graphopt import ir
+from tests.helpers import aten_graph, assert_matches_eager, compile_with_graphopt, count, eager, run_pass
+
+PIPE = ["canonicalize", "fuse_gated_mlp"]
+
+
+class GatedMlp(nn.Module):
+    """``act(gate_proj(x)) * up_proj(x)``, Llama's (silu) and Gemma's / T5's (gelu) MLP core."""
+
+    def __init__(self, act="silu", gate_bias=False, up_bias=False, up_first=False, hidden=16, inter=32):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=gate_bias)
+        self.up_proj = nn.Linear(hidden, inter, bias=up_bias)
+        self.act, self.up_first = act, up_first
+
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate=self.act)
+        up = self.up_proj(x)
+        return up * gate if self.up_first else gate * up
+
+
+SPELLINGS = {
+    "swiglu": (GatedMlp(), "graphopt.swiglu"),
+    "swiglu_up_first": (GatedMlp(up_first=True), "graphopt.swiglu"),
+    "geglu_erf_biases": (GatedMlp("none", gate_bias=True, up_bias=True), "graphopt.geglu"),
+    "geglu_tanh": (GatedMlp("tanh"), "graphopt.geglu"),
+    "gate_bias_only": (GatedMlp(gate_bias=True), "graphopt.swiglu"),
+}
+
+
+@pytest.fixture
+def final_graph(monkeypatch):
+    """Holds the optimized graph the eager target receives (graphs[-1] after a compile)."""
+    graphs = []
+    lower = graphopt.compiler.lower
+
+    def keep(gm, *args, **kwargs):
+        graphs.append(gm)
+        return lower(gm, *args, **kwargs)
+
+    monkeypatch.setattr(graphopt.compiler, "lower", keep)
+    return graphs
+
+
+def gemms(report_or_counts) -> int:
+    return count(report_or_counts, "aten.mm") + count(report_or_counts, "aten.addmm")
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 16), (7, 16)], ids=["3d", "2d"])
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_fuses_each_spelling_and_matches_eager(name, shape):
+    module, fused_op = SPELLINGS[name]
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    out, report = compile_with_graphopt(module, x, passes=PIPE)
+    assert count(report, fused_op) == 1
+    assert gemms(report) == 1 and count(report, "aten.t") == 1
+    for op in ("aten.silu", "aten.gelu", "aten.mul"):
+        assert count(report, op) == 0, report.op_counts
+    assert next(p for p in report.passes if p.name == "fuse_gated_mlp").matches == 1
+    assert_matches_eager(out, eager(module, x), rel=1e-5)
+
+
+def test_merged_weight_is_a_frozen_constant_behind_a_plain_linear(final_graph):
+    module = GatedMlp("tanh", gate_bias=True, up_bias=False)
+    compile_with_graphopt(module, torch.randn(2, 3, 16), passes=PIPE)
+    gm = final_graph[-1]
+    (gemm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    bias, _, weight_t = gemm.args
+    assert weight_t.target is torch.ops.aten.t.default  # still t + mm: INT4 quantization sees a linear
+    weight = ir.get_constant(weight_t.args[0])
+    expected = torch.cat([module.gate_proj.weight, module.up_proj.weight])
+    assert weight is not None and torch.equal(weight, expected)
+    assert weight_t.args[0].meta[ir.PARAM_NAME].endswith("gate_up_proj.weight")
+    assert torch.equal(ir.get_constant(bias), torch.cat([module.gate_proj.bias, torch.zeros(32)]))
+    assert bias.meta[ir.PARAM_NAME].endswith("gate_up_proj.bias")
+
+
+def test_export_graph_keeps_aten_linear():
+    torch.manual_seed(0)
+    module, x = GatedMlp(), torch.randn(2, 5, 16)
+    gm = aten_graph(module, x)
+    assert run_pass("fuse_gated_mlp", gm).stats["matches"] == 1
+    counts = ir.op_counts(gm)
+    assert counts.get("aten.linear") == 1 and counts.get("graphopt.swiglu") == 1
+    assert_matches_eager(gm(x)[0], eager(module, x), rel=1e-5)
+
+
+def test_fp16_matches_eager():
+    torch.manual_seed(0)
+    module, x = GatedMlp().half(), torch.randn(4, 16).half()
+    out, report = compile_with_graphopt(module, x, passes=PIPE)
+    assert count(report, "graphopt.swiglu") == 1 and out.dtype == torch.float16
+    assert_matches_eager(out, eager(module, x), rel=2e-3)
+
+
+class DifferentInputs(GatedMlp):
+    def forward(self, x, y):
+        return F.silu(self.gate_proj(x)) * self.up_proj(y)
+
+
+class GateOutputReused(GatedMlp):
+    def forward(self, x):
+        gate = self.gate_proj(x)
+        return F.silu(gate) * self.up_proj(x), gate
+
+
+class UpOutputReused(GatedMlp):
+    def forward(self, x):
+        up = self.up_proj(x)
+        return F.silu(self.gate_proj(x)) * up, up
+
+
+class ActivationReused(GatedMlp):
+    def forward(self, x):
+        act = F.silu(self.gate_proj(x))
+        return act * self.up_proj(x), act
+
+
+class UpWeightFromInput(GatedMlp):
+    def forward(self, x, up_weight):
+        return F.silu(self.gate_proj(x)) * F.linear(x, up_weight)
+
+
+class BroadcastUp(GatedMlp):
+    def __init__(self):
+        super().__init__()
+        self.up_proj = nn.Linear(16, 1, bias=False)
+
+
+X = torch.randn(2, 3, 16)
+
+
+@pytest.mark.parametrize(
+    "module, inputs, options, reason",
+    [
+        (DifferentInputs(), (X, torch.randn(2, 3, 16)), {}, "gate and up read different inputs"),
+        (GateOutputReused(), (X,), {}, "gate output has 2 users"),
+        (UpOutputReused(), (X,), {}, "up output has 2 users"),
+        (ActivationReused(), (X,), {}, "gate activation has 2 users"),
+        (GatedMlp(), (X,), {"freeze_weights": False},
+         "gate projection weight is not a constant (freeze_weights=False?)"),
+        (UpWeightFromInput(), (X, torch.randn(32, 16)), {}, "up projection weight is not a constant"),
+        (BroadcastUp(), (X,), {}, "gate width 32 != up width 1"),
+    ],
+    ids=["different_inputs", "gate_second_user", "up_second_user", "act_second_user", "not_frozen",
+         "up_weight_input", "other_width"],
+)
+def test_skips_when_not_a_gated_mlp(module, inputs, options, reason):
+    out, report = compile_with_graphopt(module, *inputs, passes=PIPE, **options)
+    assert count(report, "graphopt.swiglu") == 0
+    reasons = [m.reason for m in report.near_misses if m.pass_name == "fuse_gated_mlp"]
+    assert any(reason in r for r in reasons), reasons
+    assert_matches_eager(out, eager(module, *inputs), rel=1e-6)
+
+
+def test_plain_gelu_mlp_is_not_a_candidate():
+    """BERT's fc1 -> gelu -> fc2 has no product: no rewrite and no near miss."""
+    module = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+    _, report = compile_with_graphopt(module, X, passes=PIPE)
+    assert count(report, "graphopt.geglu") == 0
+    assert not [m for m in report.near_misses if m.pass_name == "fuse_gated_mlp"]
+
+
+def _llama(layers=2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_transformers_llama_one_swiglu_per_layer():
+    model, layers = _llama(), 2
+    ids = torch.randint(0, 128, (2, 7))
+
+    def logits(ids):
+        return model(ids, use_cache=False).logits
+
+    _, before = compile_with_graphopt(logits, ids, passes=["canonicalize"])
+    out, report = compile_with_graphopt(logits, ids, passes=["canonicalize", "fuse_rms_norm", "fuse_gated_mlp"])
+    assert count(report, "graphopt.swiglu") == layers
+    assert count(report, "aten.silu") == 0
+    assert gemms(report) == gemms(before) - layers  # gate and up: one GEMM per layer
+    assert_matches_eager(out, eager(logits, ids), rel=1e-5)
+
+
+def test_transformers_gemma_one_geglu_per_layer():
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    config = GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=1, head_dim=16, vocab_size=128)
+    model = GemmaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 7))
+
+    def logits(ids):
+        return model(ids, use_cache=False).logits
+
+    out, report = compile_with_graphopt(logits, ids, passes=PIPE)
+    assert count(report, "graphopt.geglu") == 2  # gelu_pytorch_tanh
+    assert_matches_eager(out, eager(logits, ids), rel=1e-5)
+
+
+def test_reference_llama_one_swiglu_per_layer():
+    import graphopt.models as models
+
+    model, inputs = models.build("llama-tiny"), models.example_inputs("llama-tiny")
+    out, report = compile_with_graphopt(model, *inputs, passes=PIPE)
+    assert count(report, "graphopt.swiglu") == models.config_of("llama-tiny").num_layers
+    assert_matches_eager(out, eager(model, *inputs), rel=1e-5)
