@@ -84,14 +84,25 @@ def scalar(value: Any) -> float | None:
 
 CAST_OPS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
+FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
+
 
 def is_cast(node: Any) -> bool:
-    """A dtype cast that changes nothing else (no device, layout or memory-format change)."""
+    """A dtype cast that changes nothing else: ``prims.convert_element_type``, or
+    ``_to_copy(x, dtype=...)`` possibly with ``layout=strided`` and x's own device (the
+    form ``type_as`` and ``softmax(dtype=...)`` lower to)."""
     if not is_op(node, *CAST_OPS):
         return False
-    if node.target is aten._to_copy.default:
-        return set(node.kwargs) <= {"dtype"} and len(node.args) == 1
-    return True
+    if node.target is not aten._to_copy.default:
+        return True
+    if len(node.args) != 1 or not set(node.kwargs) <= {"dtype", "layout", "device"}:
+        return False
+    if set(node.kwargs) <= {"dtype"}:
+        return True
+    src, out = val(node.args[0]), val(node)
+    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
+            and node.kwargs.get("layout", torch.strided) == torch.strided
+            and src.layout == torch.strided and src.device == out.device)
 
 
 def strip_casts(node: Any) -> Any:
@@ -118,6 +129,36 @@ def is_last_dim(dims: Any, node: fx.Node) -> bool:
         dims = dims[0]
     rank = last_dim(node)
     return isinstance(dims, int) and rank is not None and dims in (-1, rank)
+
+
+def call_args(node: fx.Node) -> dict[str, Any]:
+    """The arguments of an op call by schema name, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            bound[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+def is_exact_upcast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Every value of ``src`` is exactly representable in ``dst`` (f16/bf16 -> f32 -> f64)."""
+    return src in FLOAT_BITS and dst in FLOAT_BITS and FLOAT_BITS[dst] > FLOAT_BITS[src]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def cast_back_user(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
+    """``node``'s only user when that user is a cast to ``dtype``, else None."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    return user if is_cast(user) and val(user).dtype == dtype else None
 
 
 class PatternPass:

@@ -29,58 +29,12 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.rewrite import NoMatch, PatternPass, cast_like, expect, is_cast, is_op, scalar, val
+from graphopt.rewrite import (
+    NoMatch, PatternPass, cast_like, expect, is_cast, is_op, scalar, val, call_args, cast_back_user, dtype_name, is_exact_upcast,
+)
 
 aten = torch.ops.aten
 
-_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
-
-
-# --- generic helpers (candidates for graphopt/rewrite.py) ------------------------------
-
-def norm_args(node: fx.Node) -> dict[str, Any]:
-    """The arguments of a graphopt norm call by schema name, defaults filled in."""
-    bound = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value
-    return bound
-
-
-def is_dtype_cast(node: Any) -> bool:
-    """``is_cast``, plus ``_to_copy(x, dtype, layout=strided, device=<x's device>)``: the
-    form ``type_as`` lowers to, which changes nothing but the dtype either."""
-    if is_cast(node):
-        return True
-    if not is_op(node, aten._to_copy.default) or len(node.args) != 1:
-        return False
-    if not set(node.kwargs) <= {"dtype", "layout", "device"}:
-        return False
-    src, out = val(node.args[0]), val(node)
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
-            and node.kwargs.get("layout", torch.strided) == torch.strided
-            and src.layout == torch.strided and src.device == out.device)
-
-
-def is_exact_upcast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Every value of ``src`` is exactly representable in ``dst`` (f16/bf16 -> f32 -> f64)."""
-    return src in _FLOAT_BITS and dst in _FLOAT_BITS and _FLOAT_BITS[dst] > _FLOAT_BITS[src]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def cast_back_user(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
-    """``node``'s only user when that user is a cast to ``dtype``, else None."""
-    if len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    return user if is_dtype_cast(user) and val(user).dtype == dtype else None
 
 
 # --- the pass ---------------------------------------------------------------------------
@@ -111,7 +65,7 @@ def _read_through_upcasts(norm: fx.Node, x: Any) -> tuple[Any, fx.Node, list[fx.
     norm's result is cast back to the source dtype: then the op's rounding of the
     normalised value to that dtype is what the model does anyway."""
     casts, source = [], x
-    while is_dtype_cast(source):
+    while is_cast(source):
         casts.append(source)
         source = source.args[0]
     if not casts:
@@ -169,7 +123,7 @@ class FuseAddRmsNorm(PatternPass):
     anchors = (torch.ops.graphopt.rms_norm.default,)
 
     def match(self, norm: fx.Node, options) -> AddRmsNormMatch:
-        args = norm_args(norm)
+        args = call_args(norm)
         add, output, casts = _read_through_upcasts(norm, args["x"])
         _expect_add(add, "norm input")
         expect(add.target is aten.add.Tensor, f"add of a scalar {add.args[1]!r}", add)

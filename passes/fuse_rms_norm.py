@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, expect_op, is_cast, is_last_dim, is_op, only_user, scalar,
-    single_use, strip_casts, val,
+    NoMatch, PatternPass, cast_like, expect, expect_op, is_cast, is_exact_upcast, is_last_dim, is_op, only_user,
+    scalar, single_use, val,
 )
 
 aten = torch.ops.aten
@@ -91,12 +91,16 @@ class FuseRmsNorm(PatternPass):
         squared, normed, eps = match_rms_core(rsqrt)
         weight, offset, output = match_weight(normed)
         x = squared
-        source = strip_casts(squared)
-        # Upcast in, downcast out to the same dtype: the op does exactly that inside.
-        if source is not squared and output is not normed:
-            cast_back = next(iter(normed.users))
-            if is_cast(cast_back) and val(cast_back).dtype == val(source).dtype:
-                x = source
+        # Upcast in, downcast out to the same dtype: the op does exactly that inside, so it
+        # may read the narrow tensor. Walk up only as far as that dtype, through exact upcasts.
+        cast_back = next(iter(normed.users)) if output is not normed else None
+        if cast_back is not None and is_cast(cast_back):
+            want, node = val(cast_back).dtype, squared
+            while is_cast(node) and is_exact_upcast(val(node.args[0]).dtype, val(node).dtype):
+                node = node.args[0]
+                if val(node).dtype == want:
+                    x = node
+                    break
         return RmsNormMatch(x, weight, offset, eps, output)
 
     def rewrite(self, gm: fx.GraphModule, m: RmsNormMatch, options) -> None:

@@ -26,59 +26,13 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.rewrite import NoMatch, PatternPass, cast_like, expect, is_cast, is_last_dim, is_op, scalar, val
+from graphopt.rewrite import (
+    NoMatch, PatternPass, cast_like, expect, is_cast, is_last_dim, is_op, scalar, val, FLOAT_BITS, call_args, cast_back_user, dtype_name, is_exact_upcast,
+)
 
 aten = torch.ops.aten
 
-_FLOAT_BITS = {torch.float16: 16, torch.bfloat16: 16, torch.float32: 32, torch.float64: 64}
 _SOFTMAX = (aten._softmax.default, aten.softmax.int)
-
-
-# --- generic helpers (candidates for graphopt/rewrite.py; fuse_add_rms_norm has the same) ---
-
-def norm_args(node: fx.Node) -> dict[str, Any]:
-    """The arguments of a graphopt norm call by schema name, defaults filled in."""
-    bound = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            bound[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            bound[arg.name] = node.kwargs[arg.name]
-        else:
-            bound[arg.name] = arg.default_value
-    return bound
-
-
-def is_dtype_cast(node: Any) -> bool:
-    """``is_cast``, plus ``_to_copy(x, dtype, layout=strided, device=<x's device>)`` (what
-    ``type_as`` and ``F.softmax(..., dtype=)`` lower to)."""
-    if is_cast(node):
-        return True
-    if not is_op(node, aten._to_copy.default) or len(node.args) != 1:
-        return False
-    if not set(node.kwargs) <= {"dtype", "layout", "device"}:
-        return False
-    src, out = val(node.args[0]), val(node)
-    return (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)
-            and node.kwargs.get("layout", torch.strided) == torch.strided
-            and src.layout == torch.strided and src.device == out.device)
-
-
-def is_exact_upcast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Every value of ``src`` is exactly representable in ``dst`` (f16/bf16 -> f32 -> f64)."""
-    return src in _FLOAT_BITS and dst in _FLOAT_BITS and _FLOAT_BITS[dst] > _FLOAT_BITS[src]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-def cast_back_user(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
-    """``node``'s only user when that user is a cast to ``dtype``, else None."""
-    if len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    return user if is_dtype_cast(user) and val(user).dtype == dtype else None
 
 
 # --- the pass ---------------------------------------------------------------------------
@@ -95,7 +49,7 @@ class SoftmaxRmsNormMatch:
 def _through_casts(node: Any) -> tuple[list[fx.Node], Any]:
     """(the dtype casts above ``node``, nearest first; the value they start from)."""
     casts = []
-    while is_dtype_cast(node):
+    while is_cast(node):
         casts.append(node)
         node = node.args[0]
     return casts, node
@@ -113,8 +67,8 @@ def _softmax_upcast(sm: fx.Node) -> torch.dtype | None:
 def _rounding_dtype(sm: fx.Node, casts: list[fx.Node]) -> torch.dtype:
     """The one dtype the probabilities are rounded to between the softmax and the norm."""
     chain = [val(sm).dtype] + [val(c).dtype for c in reversed(casts)]
-    narrow = {d for d in chain if _FLOAT_BITS.get(d) == 16}
-    expect(all(d in _FLOAT_BITS for d in chain), "probabilities are not floating point", sm)
+    narrow = {d for d in chain if FLOAT_BITS.get(d) == 16}
+    expect(all(d in FLOAT_BITS for d in chain), "probabilities are not floating point", sm)
     expect(torch.float64 not in chain, "float64 probabilities; softmax_rms_norm computes in float32", sm)
     expect(len(narrow) <= 1, "probabilities are rounded to both float16 and bfloat16", sm)
     return narrow.pop() if narrow else torch.float32
@@ -129,10 +83,10 @@ class FuseSoftmaxRmsNorm(PatternPass):
     def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
         # Only norms that read a softmax: every other norm (all of Llama's) would otherwise
         # show up in `graphopt debug --why` as a near miss of this pass.
-        return [n for n in super().candidates(gm) if is_op(_through_casts(norm_args(n)["x"])[1], *_SOFTMAX)]
+        return [n for n in super().candidates(gm) if is_op(_through_casts(call_args(n)["x"])[1], *_SOFTMAX)]
 
     def match(self, norm: fx.Node, options) -> SoftmaxRmsNormMatch:
-        args = norm_args(norm)
+        args = call_args(norm)
         probs = args["x"]
         casts, sm = _through_casts(probs)
         if not is_op(sm, *_SOFTMAX):
@@ -155,7 +109,7 @@ class FuseSoftmaxRmsNorm(PatternPass):
         # The op rounds the float32 probabilities to its input's dtype: find an input of the
         # rounding dtype holding x's exact values (x itself, or x before exact upcasts).
         source = x
-        while val(source).dtype != rounded and is_dtype_cast(source) and \
+        while val(source).dtype != rounded and is_cast(source) and \
                 is_exact_upcast(val(source.args[0]).dtype, val(source).dtype):
             source = source.args[0]
         if val(source).dtype != rounded:

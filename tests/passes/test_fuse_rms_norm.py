@@ -61,6 +61,28 @@ def test_fp16_with_upcast_matches_eager():
     assert_matches_eager(out, eager(module, x), rel=2e-3)
 
 
+class RoundsThroughHalf(nn.Module):
+    """fp32 -> fp16 -> fp32 -> norm -> fp16: the fp16 rounding before the norm is real math."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(32).half())
+
+    def forward(self, y):
+        h = y.half().float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.half()
+
+
+def test_reads_the_narrow_tensor_but_keeps_an_earlier_rounding():
+    torch.manual_seed(0)
+    module, y = RoundsThroughHalf(), 10 * torch.randn(3, 32)
+    out, report = compile_with_graphopt(module, y, passes=PIPE)
+    assert count(report, "graphopt.rms_norm") == 1
+    assert count(report, "aten._to_copy") == 1  # only the fp32 -> fp16 rounding stays
+    assert_matches_eager(out, eager(module, y), rel=1e-3)
+
+
 class OtherAxis(nn.Module):
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(1, keepdim=True) + 1e-6)
