@@ -24,7 +24,8 @@ class PrintIR(Instrument):
                  after_change: bool = False, after_failure: bool = False, diff: bool = False,
                  stream: TextIO | None = None):
         self.before, self.after = set(before), set(after)
-        self.after_all, self.after_change, self.after_failure = after_all, after_change, after_failure
+        # on_failure, not after_failure: an attribute of that name would hide the hook below.
+        self.after_all, self.after_change, self.on_failure = after_all, after_change, after_failure
         self.diff = diff
         self.stream = stream
         self.chunks: list[dict] = []  # what was printed, for --json
@@ -51,7 +52,7 @@ class PrintIR(Instrument):
             self._emit("after", p.name, ir.format_graph(after))
 
     def after_failure(self, p, gm, error, record, ctx) -> None:
-        if self.after_failure or self.after_all:
+        if self.on_failure or self.after_all:
             self._emit("after failure of", p.name, f"// {record.error}\n" + ir.format_graph(gm))
 
 
@@ -126,13 +127,12 @@ class WriteReproducer(Instrument):
         if self.written is not None or self.error is not None or self._input is None:
             return  # later failures may only be echoes of the first
         from graphopt.debug.reproducer import write_reproducer
-        from graphopt.errors import GraphoptError
 
         try:
             path = write_reproducer(self.directory, self._input, self.inputs, pass_name=p.name,
                                     error=record.error or repr(error), pipeline=self.pipeline,
                                     pass_options=ctx.config.pass_options, origin=self.origin)
-        except (GraphoptError, OSError, ValueError, RuntimeError) as failure:
+        except Exception as failure:  # noqa: BLE001  (a debugging aid must not break the pipeline it watches)
             self.error = f"{type(failure).__name__}: {failure}"
             return
         self.written = {"dir": str(path), "pass": p.name, "error": record.error}

@@ -2,24 +2,29 @@
 
 The switches are MLIR's pass instrumentation on FX graphs. The pipeline runs on the
 exact ATen graphs the torch.compile backend would see (captured through dynamo).
+Printing lives in debug_print; bisecting, reproducers and the HTML page in graphopt.debug.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
+from pathlib import Path
 
 import typer
 
+from graphopt.cli import debug_print
 from graphopt.cli.common import MODEL_HELP, load, parse_options
-from graphopt.cli.output import console, print_json, step, table
+from graphopt.cli.output import print_json, step
 from graphopt.compiler import run_pipeline
+from graphopt.errors import OptionsError
 from graphopt.frontend import capture_aten_graphs
-from graphopt.instrument import NumericCheck, PrintIR
+from graphopt.instrument import KeepChanges, NumericCheck, PrintIR, WriteReproducer
 from graphopt.pipeline import pipeline_string
 
 
 def debug(
-    model: str = typer.Argument(..., help=MODEL_HELP),
+    model: str = typer.Argument(None, help=MODEL_HELP + " (not needed with --replay)"),
     pipeline: str = typer.Option(None, "--pipeline", help='comma-separated passes to run instead of the default, e.g. "canonicalize,fuse_rms_norm"'),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="leave this pass out (repeatable)"),
     print_ir_before: list[str] = typer.Option([], "--print-ir-before", help="print the graph before PASS (repeatable)"),
@@ -30,9 +35,13 @@ def debug(
     diff: bool = typer.Option(False, "--diff", help="print each change as a unified diff instead of the whole graph"),
     timing: bool = typer.Option(False, "--timing", help="table of passes: wall time, nodes before/after, matches"),
     check_numerics: bool = typer.Option(False, "--check-numerics", help="run the graph after every pass and compare with the input graph"),
-    tolerance: float = typer.Option(1e-4, "--tolerance", help="relative error that flags a pass in --check-numerics"),
+    tolerance: float = typer.Option(1e-4, "--tolerance", help="relative error that flags a pass in --check-numerics and --bisect"),
     why: list[str] = typer.Option([], "--why", help="near misses of PASS: where matching stopped and why (repeatable)"),
     bisect_limit: int = typer.Option(-1, "--bisect-limit", help="allow only N rewrites in total (-1: all)"),
+    bisect: bool = typer.Option(False, "--bisect", help="find the first pass, then the first rewrite, that takes the output past --tolerance"),
+    report: Path = typer.Option(None, "--report", help="write one self-contained HTML page (tables, graph pictures, numerics) to this file"),
+    reproducer: Path = typer.Option(None, "--reproducer", help="when a pass fails, write its input graph and the pipeline to this directory"),
+    replay: Path = typer.Option(None, "--replay", help="rerun the failure stored in a --reproducer directory (exit 1 while it fails)"),
     seq_len: int = typer.Option(16, "--seq-len", help="sequence length of the random inputs"),
     seed: int = typer.Option(0, help="seed for weights and inputs"),
     json_out: bool = typer.Option(False, "--json", help="print everything as JSON"),
@@ -43,40 +52,87 @@ def debug(
       graphopt debug llama-tiny --timing --check-numerics
       graphopt debug llama-tiny --why fuse_rms_norm
       graphopt debug llama-tiny --print-ir-after-change --diff
+      graphopt debug llama-tiny --pipeline canonicalize,fuse_rms_norm,quantize_int4 --bisect --tolerance 1e-4
+      graphopt debug llama-tiny --report out.html
+      graphopt debug llama-tiny --reproducer repro/ ; graphopt debug --replay repro/
     """
     from graphopt.registry import get_pass
 
-    for name in [*why, *print_ir_before, *print_ir_after, *disable_pass]:
-        get_pass(name)  # unknown names fail now, with the list of known passes
+    if replay is not None:
+        _replay(replay, json_out)
+        return
+    if model is None:
+        raise OptionsError("graphopt debug needs a MODEL (e.g. llama-tiny), or --replay DIR to rerun a reproducer")
+    if bisect and bisect_limit >= 0:
+        raise OptionsError("--bisect searches the rewrite limit itself; drop --bisect-limit (or drop --bisect to set it by hand)")
+    # Unknown names fail now, with the list of known passes; fuse-rms-norm means fuse_rms_norm.
+    why, print_ir_before, print_ir_after, disable_pass = (
+        [get_pass(name).name for name in names] for names in (why, print_ir_before, print_ir_after, disable_pass))
     config = parse_options([], pipeline=pipeline, disable_passes=list(disable_pass) or None,
                            bisect_limit=bisect_limit, tolerance=tolerance, target="eager")
     with step(f"loading {model}", json_out):
         loaded = load(model, seed, 1, seq_len)
     with step("capturing ATen graphs", json_out):
         graphs = capture_aten_graphs(loaded.module, loaded.example_inputs, config)
+    pipeline_text = _pipeline_names(config)
+
+    def command(*extra: str) -> str:
+        return _command(model, pipeline_text, disable_pass, seq_len, seed, *extra)
+
     printer = PrintIR(print_ir_before, print_ir_after, print_ir_after_all, print_ir_after_change,
                       print_ir_after_failure, diff, stream=None if json_out else sys.stdout)
-    results = []
+    results, kept, writer = [], [], None
     for index, graph in enumerate(graphs):
         instruments = [printer]
         checker = None
-        if check_numerics and graph.example_inputs is not None:
+        if (check_numerics or report is not None) and graph.example_inputs is not None:
             checker = NumericCheck(graph.example_inputs, tolerance)
             instruments.append(checker)
-        result, ctx = run_pipeline(graph.gm, config, graph.example_inputs, instruments)
+        keeper = KeepChanges()
+        if report is not None:
+            instruments.append(keeper)
+        if reproducer is not None and (writer is None or (writer.written is None and writer.error is None)):
+            writer = WriteReproducer(str(reproducer), pipeline_text, graph.example_inputs,
+                                     origin={"model": model, "graph": index,
+                                             "command": command("--print-ir-after-failure")})
+            instruments.append(writer)
+        result, _ = run_pipeline(graph.gm, config, graph.example_inputs, instruments)
         results.append(_graph_result(index, result, checker, why))
-    out = {"model": loaded.name, "pipeline": _pipeline_names(config), "graphs": results, "ir": printer.chunks}
+        kept.append(keeper.changes)
+    out = {"model": loaded.name, "pipeline": pipeline_text, "tolerance": tolerance, "graphs": results, "ir": printer.chunks}
+    if bisect:
+        _bisect(out, graphs, config, tolerance, command)
+    if reproducer is not None:
+        _reproducer_result(out, writer)
+    if report is not None:
+        from graphopt.debug.html_report import write_report
+
+        with step(f"writing {report}", json_out):
+            out["report"] = write_report(report, out, kept)
     if json_out:
         print_json(out)
         return
     for g in results:
-        _print_graph(g, timing or check_numerics, why)
+        debug_print.print_graph(g, timing or check_numerics, why)
+    debug_print.print_extras(out)
 
 
 def _pipeline_names(config) -> str:
     from graphopt.pipeline import build_pipeline
 
     return pipeline_string(build_pipeline(config.pipeline or None))
+
+
+def _command(model: str, pipeline: str, disabled: list[str], seq_len: int, seed: int, *extra: str) -> str:
+    """The ``graphopt debug`` command line that reruns this model with ``extra`` flags."""
+    parts = ["graphopt", "debug", model, "--pipeline", pipeline]
+    for name in disabled:
+        parts += ["--disable-pass", name]
+    if seq_len != 16:
+        parts += ["--seq-len", str(seq_len)]
+    if seed != 0:
+        parts += ["--seed", str(seed)]
+    return shlex.join([*parts, *extra])
 
 
 def _graph_result(index, result, checker, why) -> dict:
@@ -87,29 +143,50 @@ def _graph_result(index, result, checker, why) -> dict:
         "near_misses": [m.to_dict() for m in result.near_misses if not wanted or m.pass_name in wanted],
         "first_bad_pass": checker.first_bad if checker else None,
         "rewrites": [r.to_dict() for r in result.rewrites],
+        "fallbacks": list(result.fallbacks),
     }
 
 
-def _print_graph(g: dict, show_table: bool, why: list[str]) -> None:
-    if show_table:
-        rows = []
-        for p in g["passes"]:
-            num = p.get("numerics") or {}
-            flag = "" if not num else ("ok" if num.get("ok") else "FAIL")
-            rows.append([p["name"], p["status"], p["matches"], p["time_ms"], p["nodes_before"], p["nodes_after"],
-                         num.get("max_abs_err"), num.get("rel_err"), flag])
-        console.print(table(f"graph {g['graph']}: passes",
-                            ["pass", "status", "matches", "ms", "nodes before", "nodes after",
-                             "max abs err", "rel err", "numerics"], rows))
-        if g["first_bad_pass"]:
-            console.print(f"[red]first pass past the tolerance: {g['first_bad_pass']}[/]")
-    if why:
-        misses = g["near_misses"]
-        matched = {p["name"]: p["matches"] for p in g["passes"]}
-        for name in why:
-            key = name.replace("-", "_")
-            console.print(f"{key}: {matched.get(key, 0)} rewrites, "
-                          f"{sum(m['pass_name'] == key for m in misses)} near misses")
-        if misses:
-            console.print(table(f"graph {g['graph']}: near misses", ["pass", "candidate", "stopped at", "reason"],
-                                [[m["pass_name"], m["anchor"], m["node"], m["reason"]] for m in misses]))
+def _bisect(out: dict, graphs, config, tolerance: float, command) -> None:
+    """Bisect each graph with inputs; ``out["bisect"]`` is the first graph's culprit or None."""
+    from graphopt.debug.bisect import bisect_rewrites
+
+    out["bisect"], worst, skipped = None, 0.0, 0
+    for graph, g in zip(graphs, out["graphs"]):
+        if graph.example_inputs is None:
+            skipped += 1  # symbolic inputs: nothing concrete to run
+            continue
+        outcome = bisect_rewrites(graph.gm, graph.example_inputs, config, tolerance)
+        g["bisect"] = outcome.to_dict()
+        worst = max(worst, outcome.full_rel_err)
+        if outcome.found is None or out["bisect"] is not None:
+            continue
+        k = outcome.found.rewrite_index
+        limit = k if k is not None else 0
+        out["bisect"] = {**outcome.to_dict(), "graph": g["graph"],
+                         "command": command("--bisect-limit", str(limit), "--check-numerics", "--tolerance", f"{tolerance:g}"),
+                         "good_command": (command("--bisect-limit", str(k - 1), "--check-numerics", "--tolerance", f"{tolerance:g}")
+                                          if k is not None else None)}
+    if out["bisect"] is None:
+        out["bisect_summary"] = (f"output within tolerance: relative error {worst:.3g} <= {tolerance:g} "
+                                 f"on {len(graphs) - skipped} graph(s); nothing to bisect"
+                                 + (f" ({skipped} graph(s) without concrete inputs skipped)" if skipped else ""))
+
+
+def _reproducer_result(out: dict, writer: WriteReproducer | None) -> None:
+    written = writer.written if writer else None
+    out["reproducer"] = ({**written, "command": f"graphopt debug --replay {written['dir']}"} if written else None)
+    if writer is not None and writer.error:
+        out["reproducer_error"] = writer.error
+
+
+def _replay(directory: Path, json_out: bool) -> None:
+    from graphopt.debug.reproducer import replay
+
+    outcome = replay(directory, stream=None if json_out else sys.stdout)
+    if json_out:
+        print_json({"replay": outcome.to_dict()})
+    else:
+        debug_print.print_replay(outcome)
+    if outcome.reproduced:
+        raise typer.Exit(code=1)

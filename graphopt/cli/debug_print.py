@@ -1,0 +1,86 @@
+"""How ``graphopt debug`` prints for people: tables, the bisect verdict, reproducer lines.
+
+Everything here reads the dict ``--json`` prints, so both outputs say the same things.
+"""
+
+from __future__ import annotations
+
+from rich.markup import escape
+
+from graphopt.cli.output import console, fmt, table
+
+
+def print_graph(g: dict, show_table: bool, why: list[str]) -> None:
+    if show_table:
+        rows = []
+        for p in g["passes"]:
+            num = p.get("numerics") or {}
+            flag = "" if not num else ("ok" if num.get("ok") else "FAIL")
+            rows.append([p["name"], p["status"], p["matches"], p["time_ms"], p["nodes_before"], p["nodes_after"],
+                         num.get("max_abs_err"), num.get("rel_err"), flag])
+        console.print(table(f"graph {g['graph']}: passes",
+                            ["pass", "status", "matches", "ms", "nodes before", "nodes after",
+                             "max abs err", "rel err", "numerics"], rows))
+        if g["first_bad_pass"]:
+            console.print(f"[red]first pass past the tolerance: {g['first_bad_pass']}[/]")
+    for p in g["passes"]:
+        if p["status"] == "failed":
+            console.print(f"[red]pass {p['name']} failed and was skipped:[/] {escape(p['error'] or '')}")
+    if why:
+        misses = g["near_misses"]
+        matched = {p["name"]: p["matches"] for p in g["passes"]}
+        for name in why:
+            key = name.replace("-", "_")
+            console.print(f"{key}: {matched.get(key, 0)} rewrites, "
+                          f"{sum(m['pass_name'] == key for m in misses)} near misses")
+        if misses:
+            console.print(table(f"graph {g['graph']}: near misses", ["pass", "candidate", "stopped at", "reason"],
+                                [[m["pass_name"], m["anchor"], m["node"], m["reason"]] for m in misses]))
+
+
+def print_extras(out: dict) -> None:
+    """The bisect verdict, the reproducer and the report, after the per-graph tables."""
+    if "bisect" in out:
+        print_bisect(out)
+    if "reproducer" in out:
+        written = out["reproducer"]
+        if written:
+            console.print(f"wrote a reproducer of the failure of [bold]{written['pass']}[/] to {escape(written['dir'])}")
+            console.print(f"rerun it: {escape(written['command'])}", soft_wrap=True)
+        elif out.get("reproducer_error"):
+            console.print(f"[red]could not write the reproducer:[/] {escape(out['reproducer_error'])}")
+        else:
+            console.print("no pass failed; no reproducer written")
+    if "report" in out:
+        r = out["report"]
+        pictures = "Graphviz dot" if r["renderer"] == "dot" else "built-in layout"
+        console.print(f"wrote {escape(r['path'])} ({r['bytes'] / 1024:.0f} KiB, pictures: {pictures})")
+
+
+def print_bisect(out: dict) -> None:
+    b = out["bisect"]
+    if b is None:
+        console.print(f"[green]bisect: {escape(out.get('bisect_summary', 'output within tolerance'))}[/]")
+        return
+    console.print(f"bisect: graph {b['graph']}: relative error {fmt(b['full_rel_err'])} > tolerance "
+                  f"{b['tolerance']:g} after all {b['total_rewrites']} rewrites; {b['runs']} pipeline runs")
+    console.print(f"first bad pass: [bold red]{b['pass']}[/]")
+    if b["rewrite_index"] is not None:
+        console.print(f"first bad rewrite: [bold]#{b['rewrite_index']}[/] ({b['pass']} at node "
+                      f"[bold]{b['node']}[/], {b['target']}); relative error {fmt(b['rel_err_before'])} -> "
+                      f"{fmt(b['rel_err'])}")
+    if b.get("note"):
+        console.print(f"note: {escape(b['note'])}")
+    console.print(f"reproduce: {escape(b['command'])}", soft_wrap=True)
+    if b.get("good_command"):
+        console.print(f"(with --bisect-limit {b['rewrite_index'] - 1} it stays within tolerance)")
+    if b.get("diff"):
+        console.print(escape(b["diff"]), highlight=False, soft_wrap=True)
+
+
+def print_replay(outcome) -> None:
+    if outcome.reproduced:
+        console.print(f"[red]reproduced:[/] pass {outcome.pass_name} failed: {escape(outcome.error or '')}")
+    else:
+        console.print(f"[green]not reproduced:[/] pass {outcome.pass_name} now {outcome.status} "
+                      f"(it failed with: {escape(outcome.expected_error)})")

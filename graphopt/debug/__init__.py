@@ -1,0 +1,8 @@
+"""What ``graphopt debug`` builds on, beyond the PassManager's instruments.
+
+- ``bisect``: find the first pass, then the first single rewrite, that breaks numerics,
+  by bisecting the global rewrite counter (LLVM's ``-opt-bisect-limit``).
+- ``graph_source``: an FX graph as Python source and back (reproducers never pickle).
+- ``reproducer``: write a failing pass's input graph, inputs and pipeline; replay it.
+- ``graph_view``, ``svg_layout``, ``dot``, ``html_report``: the self-contained HTML page.
+"""
