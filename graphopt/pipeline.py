@@ -19,6 +19,8 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "fuse_gated_mlp",  # before fuse_bias_gelu, which would turn GeGLU's gelu into bias_gelu
     "fuse_bias_gelu",
     "merge_qkv",
+    "fuse_rope",
+    "fuse_attention",  # after fuse_rope: it reads through the layout copies rope leaves
 )
 
 
