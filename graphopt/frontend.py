@@ -125,7 +125,10 @@ def dynamo_input_names(gm: fx.GraphModule) -> list[str]:
 
 
 def _readable_dynamo_name(name: str) -> str:
-    name = re.sub(r"^l_+(self|s|fn|model|mod)?_*", "", name, flags=re.IGNORECASE)
+    """``l_self_modules_model_modules_layers_modules_0_parameters_weight_`` ->
+    ``model.layers.0.weight`` (dynamo's own name map uses another spelling in torch 2.13)."""
+    name = re.sub(r"^l_+(self|s|fn|model|mod)?_+", "", name, flags=re.IGNORECASE)
+    name = re.sub(r"^(modules|parameters|buffers)_", "", name)
     name = re.sub(r"_(modules|parameters|buffers)_", ".", name)
     return name.strip("_")
 

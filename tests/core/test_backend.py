@@ -130,3 +130,13 @@ def test_export_frontend_feeds_the_same_pipeline():
     assert report.frontend == "export" and report.op_counts["graphopt.rms_norm"] >= 1
     out = run(*program.example_inputs)
     assert_matches_eager(out[0], eager(loaded.module, *loaded.example_inputs), rel=1e-5)
+
+
+def test_frozen_weights_keep_their_parameter_names():
+    from graphopt.frontend import capture_aten_graphs
+    from graphopt.ir import PARAM_NAME
+
+    loaded = load_model("llama-tiny", seq_len=8)
+    (graph,) = capture_aten_graphs(loaded.module, loaded.example_inputs)
+    names = {n.meta[PARAM_NAME] for n in graph.gm.graph.nodes if n.op == "get_attr" and PARAM_NAME in n.meta}
+    assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.lm_head.weight"} <= names
