@@ -32,10 +32,12 @@ class Options:
 
     target: str = _opt("auto", "where the optimized graph runs; auto picks from the hardware present", TARGETS)
     provider: str = _opt("cpu", "ONNX Runtime execution provider (target=onnxruntime)", PROVIDERS)
+    inductor: bool = _opt(True, "target=triton: compile the ops around graphopt's Triton kernels with Inductor; false runs them eagerly")
     fallback: str = _opt("eager", "on a failing pass or target: 'eager' skips it with a warning, 'error' raises", FALLBACKS)
     pipeline: list = _opt([], "pass names to run instead of the default pipeline, in order")
     disable_passes: list = _opt([], "pass names to leave out of the pipeline")
     pass_options: dict = _opt({}, "per-pass options, e.g. {'fuse_rms_norm': {...}}")
+    int4: bool = _opt(False, "quantize linear weights to 4 bits (pass quantize_int4; tune it through pass_options)")
     freeze_weights: bool = _opt(True, "treat parameters and unmutated buffers as constants (needed by weight-rewriting passes)")
     verify: bool = _opt(True, "lint the graph and check node metadata after every pass")
     check_numerics: bool = _opt(False, "run the graph after every pass on the compile-time inputs and record the error")

@@ -19,6 +19,8 @@ from graphopt.ops import op_name
 CREATED_BY = "graphopt_pass"
 # Metadata key holding the original parameter name of a frozen weight.
 PARAM_NAME = "graphopt_param"
+# Metadata key: a one-line note a pass leaves on a node for people (printed after the node).
+NOTE = "graphopt_note"
 
 
 def target_name(target: Any) -> str:
@@ -141,6 +143,8 @@ def format_node(node: fx.Node) -> str:
     line = f"{body}  : {describe_val(node.meta.get('val'))}"
     if CREATED_BY in node.meta:
         line += f"  <- {node.meta[CREATED_BY]}"
+    if NOTE in node.meta:
+        line += f"  // {node.meta[NOTE]}"
     return line
 
 

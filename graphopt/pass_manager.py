@@ -175,7 +175,7 @@ class PassManager:
     def from_options(cls, config: Options, instruments: Sequence[Instrument] = ()) -> PassManager:
         from graphopt.pipeline import build_pipeline
 
-        passes = build_pipeline(config.pipeline or None)
+        passes = build_pipeline(config.pipeline or None, int4=config.int4)
         from graphopt.registry import get_pass
 
         for name, given in config.pass_options.items():  # user errors surface now, not as pass failures

@@ -24,9 +24,18 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
 )
 
 
-def build_pipeline(names: Sequence[str] | None = None) -> list[Pass]:
-    """Pass objects for ``names`` (default pipeline if None), with preconditions checked."""
-    passes = [get_pass(n) for n in (names or DEFAULT_PIPELINE)]
+# Where options={"int4": True} puts the quantizer: after every pass that concatenates or
+# fuses full-precision weights (gated MLP, QKV merge), before the final capture pass.
+INT4_PASS, INT4_BEFORE = "quantize_int4", "cuda_graphs"
+
+
+def build_pipeline(names: Sequence[str] | None = None, int4: bool = False) -> list[Pass]:
+    """Pass objects for ``names`` (default pipeline if None), plus the INT4 quantizer when
+    asked, with preconditions checked."""
+    names = list(names or DEFAULT_PIPELINE)
+    if int4 and INT4_PASS not in names:
+        names.insert(names.index(INT4_BEFORE) if INT4_BEFORE in names else len(names), INT4_PASS)
+    passes = [get_pass(n) for n in names]
     check_preconditions(passes)
     return passes
 

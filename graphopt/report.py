@@ -40,13 +40,16 @@ class CompileReport:
         return {k: v for k, v in self.op_counts.items() if k.startswith("graphopt.")}
 
     def to_dict(self) -> dict[str, Any]:
+        from graphopt.quant_report import int4_summary
+
+        passes = [r.to_dict() for r in self.passes]
         return {
             "backend": self.backend,
             "target": self.target,
             "requested_target": self.requested_target,
             "frontend": self.frontend,
             "graph_index": self.graph_index,
-            "passes": [r.to_dict() for r in self.passes],
+            "passes": passes,
             "op_counts": dict(self.op_counts),
             "fallbacks": list(self.fallbacks),
             "near_misses": [m.to_dict() for m in self.near_misses],
@@ -56,6 +59,7 @@ class CompileReport:
             "nodes_in": self.nodes_in,
             "nodes_out": self.nodes_out,
             "compile_s": self.compile_s,
+            "int4": int4_summary({"passes": passes}),  # None unless quantize_int4 ran
         }
 
 

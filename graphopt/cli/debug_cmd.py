@@ -120,7 +120,7 @@ def debug(
 def _pipeline_names(config) -> str:
     from graphopt.pipeline import build_pipeline
 
-    return pipeline_string(build_pipeline(config.pipeline or None))
+    return pipeline_string(build_pipeline(config.pipeline or None, int4=config.int4))
 
 
 def _command(model: str, pipeline: str, disabled: list[str], seq_len: int, seed: int, *extra: str) -> str:

@@ -1,0 +1,82 @@
+"""The numbers an INT4 run is judged by: weight bytes, per-layer error, logits error, top-1.
+
+- Weight bytes before / after and the per-layer relative Frobenius error of each
+  dequantized weight come from the ``quantize_int4`` pass's stats (a pipeline records
+  them in ``PassRecord.stats``; the report's ``passes`` list carries them):
+  :func:`int4_summary` gathers them over every compiled graph.
+- Logits error and top-1 agreement need the fp32 model's logits next to the quantized
+  ones: :func:`logits_metrics`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+PASS_NAME = "quantize_int4"
+
+
+def top1_agreement(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    """Fraction of positions whose argmax token equals the reference's."""
+    if logits.shape != reference.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and reference {tuple(reference.shape)} differ in shape")
+    return (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+
+
+def logits_metrics(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    """``rel_error`` = ||logits - ref||_F / ||ref||_F, ``max_abs_error``, ``top1_agreement``."""
+    a, b = logits.detach().double().cpu(), reference.detach().double().cpu()
+    if a.shape != b.shape:
+        raise ValueError(f"logits {tuple(a.shape)} and reference {tuple(b.shape)} differ in shape")
+    ref = b.norm().item()
+    err = (a - b).norm().item()
+    return {
+        "rel_error": err / ref if ref > 0 else (0.0 if err == 0 else float("inf")),
+        "max_abs_error": (a - b).abs().max().item() if a.numel() else 0.0,
+        "top1_agreement": top1_agreement(a, b),
+    }
+
+
+def _records(source: Any) -> Iterable[dict]:
+    """PassRecord dicts from a CompileReport, its ``to_dict()``, a PipelineResult, or a list of those."""
+    if isinstance(source, (list, tuple)):
+        for item in source:
+            yield from _records(item)
+        return
+    if hasattr(source, "to_dict") and hasattr(source, "passes"):  # CompileReport
+        source = source.to_dict()
+    passes = source.get("passes") if isinstance(source, dict) else getattr(source, "records", None)
+    for record in passes or ():
+        yield record if isinstance(record, dict) else record.to_dict()
+
+
+def int4_summary(source: Any) -> dict[str, Any] | None:
+    """Byte totals, ratios and per-layer errors of every ``quantize_int4`` run in ``source``
+    (CompileReports, their dicts, or PipelineResults); None when the pass never ran."""
+    stats = [r["stats"] for r in _records(source) if r.get("name") == PASS_NAME and r.get("stats")]
+    if not stats:
+        return None
+    layers = [layer for s in stats for layer in s.get("layers", [])]
+    distinct = [layer for layer in layers if not layer.get("shared")]
+    before = sum(s.get("weight_bytes_before", 0) for s in stats)
+    after = sum(s.get("weight_bytes_after", 0) for s in stats)
+    fp32 = sum(s.get("weight_bytes_fp32", 0) for s in stats)
+    errors = [layer["rel_error"] for layer in distinct]
+    return {
+        "quantized_weights": len(distinct),
+        "weight_bytes_before": before,
+        "weight_bytes_after": after,
+        "weight_bytes_fp32": fp32,
+        "bytes_ratio_fp32": after / fp32 if fp32 else 0.0,
+        "max_rel_error": max(errors, default=0.0),
+        "mean_rel_error": sum(errors) / len(errors) if errors else 0.0,
+        "layers": layers,
+    }
+
+
+def layer_rows(summary: dict[str, Any]) -> list[list[Any]]:
+    """Rows ``[name, shape, group, symmetric, rel_error, bytes before, bytes after]`` for a table."""
+    return [[layer["name"], "x".join(map(str, layer["shape"])), layer["group_size"], layer["symmetric"],
+             round(layer["rel_error"], 5), layer["bytes_before"], layer["bytes_after"]]
+            for layer in summary["layers"]]
