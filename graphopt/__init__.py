@@ -13,11 +13,12 @@ import torch
 import graphopt.ops  # noqa: F401  (registers the graphopt:: ops)
 from graphopt.config import Options, describe_options
 from graphopt.errors import GraphoptError, OptionsError
+from graphopt.generate import generate  # decoding with a static KV cache (graphopt.generate(...))
 from graphopt.report import CompileReport, reports, reset
 
 __version__ = "0.1.0"
 __all__ = ["compile", "reports", "reset", "Options", "CompileReport", "GraphoptError", "OptionsError",
-           "describe_options"]
+           "describe_options", "generate"]
 
 
 def compile(model: Any, options: dict | None = None, **torch_compile_kwargs: Any) -> Any:

@@ -73,6 +73,7 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Opti
     except Exception as error:  # a target's bug must not break the user's model
         reason = f"{type(error).__name__}: {error}"
         return _fall_back(gm, example_inputs, config, report, f"target:{target.name}", reason, error)
+    report.notes.extend(getattr(compiled, "graphopt_notes", ()))  # what the target ran where (e.g. ops kept on reference)
     return _guard_runtime(compiled, gm, example_inputs, config, report, target.name)
 
 

@@ -21,6 +21,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "merge_qkv",
     "fuse_rope",
     "fuse_attention",  # after fuse_rope: it reads through the layout copies rope leaves
+    "cuda_graphs",  # last: marks the final graph's ops for capture (on the CPU it only says why not)
 )
 
 

@@ -8,6 +8,7 @@ import sys
 import typer
 
 from graphopt.cli import debug_cmd, passes_cmd, run_cmd
+from graphopt.cli import kernels_cmd
 from graphopt.cli.output import console, error_line, print_json, table
 from graphopt.errors import GraphoptError
 
@@ -21,6 +22,7 @@ app = typer.Typer(
 app.command("passes")(passes_cmd.passes)
 app.command("run")(run_cmd.run)
 app.command("debug")(debug_cmd.debug)
+app.command("kernels")(kernels_cmd.kernels)
 
 
 @app.command("models")
@@ -56,16 +58,31 @@ def options_cmd(json_out: bool = typer.Option(False, "--json", help="print a JSO
                         [[r["name"], r["type"], repr(r["default"]), " | ".join(r["choices"]), r["help"]] for r in rows]))
 
 
+def _graphopt_error(error: BaseException | None) -> GraphoptError | None:
+    """The GraphoptError behind ``error``: torch.compile re-raises what a backend raised as its
+    own BackendCompilerFailed (the original in ``inner_exception``), which would print a traceback."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GraphoptError):
+            return error
+        seen.add(id(error))
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return None
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         app()
-    except GraphoptError as error:
-        error_line(str(error))
-        sys.exit(2)
     except KeyboardInterrupt:
         error_line("interrupted")
         sys.exit(130)
+    except Exception as error:
+        cause = _graphopt_error(error)
+        if cause is None:
+            raise
+        error_line(str(cause))
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""``graphopt run MODEL``: compile with graphopt, check against eager, time both."""
+"""``graphopt run MODEL``: compile with graphopt, check against eager, time both.
+
+With ``--generate N`` it decodes N tokens instead: ``graphopt.generate`` (a compiled step
+over a static KV cache) against the eager model with its own growing cache.
+"""
 
 from __future__ import annotations
 
+import importlib
+import statistics
 import time
 
 import torch
@@ -21,13 +27,19 @@ def run(
     seq_len: int = typer.Option(16, "--seq-len", help="sequence length of the random inputs"),
     seed: int = typer.Option(0, help="seed for weights and inputs"),
     repeat: int = typer.Option(10, help="timed runs per side (the median is shown)"),
+    generate: int = typer.Option(0, "--generate", help="decode N tokens greedily with graphopt.generate and compare "
+                                 "with eager; JSON gets generate: {tokens_match_eager, compiles, ms_per_token}"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: rel_err, max_abs_err, timings, reports"),
 ) -> None:
     """Compile MODEL with backend="graphopt", compare its output with eager, and time both.
 
     Example: graphopt run llama-tiny --target eager -o check_numerics=true
+    Example: graphopt run llama-small --generate 256 --json
     """
     config = parse_options(option, target=target)
+    if generate:
+        _run_generate(model, config, batch, seq_len, seed, generate, json_out)
+        return
     with step(f"loading {model}", json_out):
         loaded = load(model, seed, batch, seq_len)
     module, inputs = loaded.module, loaded.example_inputs
@@ -78,3 +90,104 @@ def _print_human(result: dict, reports) -> None:
     for r in reports:
         for fb in r.fallbacks:
             console.print(f"[yellow]fallback[/] {fb['where']}: {fb['reason']}")
+
+
+# Decode loops by resolved target. graphopt.generate runs its static-cache step on targets that
+# execute graph nodes in order (graphopt.decode_step.IN_PLACE_TARGETS). Any other target plugs
+# in here as "module:function": a function with graphopt.generate's signature, (model, input_ids,
+# max_new_tokens, *, options) -> a result with sequences, compiles, ms_per_token (see
+# graphopt.generate.GenerateResult). For ONNX Runtime that function exports the prefill and
+# decode models and runs greedy_generate_ort on them.
+GENERATE_LOOPS: dict[str, str] = {}
+
+
+def _generate_loop(config) -> tuple[str, object]:
+    """(target name, the decode function for it)."""
+    from graphopt.decode_step import IN_PLACE_TARGETS
+    from graphopt.errors import GraphoptError, TargetUnavailable
+    from graphopt.targets import resolve_target
+
+    try:
+        name = resolve_target(config)[0].name
+    except TargetUnavailable:
+        return "eager", graphopt.generate  # graphopt.generate reports the fallback itself
+    where = GENERATE_LOOPS.get(name)
+    if where is not None:
+        module, attr = where.split(":")
+        try:
+            return name, getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as error:
+            raise GraphoptError(f"--generate on target {name} needs {where}, which does not load ({error}); "
+                                "use --target eager") from None
+    if name in IN_PLACE_TARGETS:
+        return name, graphopt.generate
+    if config.target == "auto":  # auto picked it: graphopt.generate decodes on eager and says so
+        return "eager", graphopt.generate
+    raise GraphoptError(f"--generate does not run on target {name} yet (no decode loop registered in "
+                        "graphopt/cli/run_cmd.py GENERATE_LOOPS); use --target eager")
+
+
+def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens: int, json_out: bool) -> None:
+    from graphopt.cli.model_source import load_model
+    from graphopt.errors import GraphoptError
+    from graphopt.generate import eager_generate, generate_with_reference
+
+    if tokens < 1:
+        raise GraphoptError(f"--generate needs at least 1 token, got {tokens}")
+    with step(f"loading {spec}", json_out):
+        loaded = load_model(spec, seed, batch=batch, seq_len=seq_len, single_output=False)
+    if loaded.family not in ("llama", "hf-causal-lm"):
+        raise GraphoptError(f"--generate needs a causal LM; {spec} is a {loaded.family} model")
+    input_ids = loaded.example_inputs[0]
+    target, loop = _generate_loop(config)
+    graphopt.reset()
+    if loop is graphopt.generate:  # step for step in lockstep with eager: both see the same machine noise
+        with step(f"generating {tokens} tokens with graphopt and eagerly", json_out):
+            out, ref = generate_with_reference(loaded.module, input_ids, tokens, options=config.to_dict())
+    else:
+        with step(f"generating {tokens} tokens with graphopt", json_out):
+            out = loop(loaded.module, input_ids, tokens, options=config.to_dict())
+        with step(f"generating {tokens} tokens eagerly", json_out):
+            ref = eager_generate(loaded.module, input_ids, tokens)
+    steps = list(out.ms_per_token)
+    early, late = _median(steps[7:24]), _median(steps[-16:])
+    extra = {k: getattr(out, k, None) for k in ("prefill_compiles", "prefill_ms", "compile_s", "fallback", "cuda_graphs")}
+    result = {
+        "model": loaded.name,
+        "target": target,
+        "generate": {
+            "tokens": tokens,
+            "prompt_len": int(input_ids.shape[1]),
+            "tokens_match_eager": bool(torch.equal(out.sequences, ref.sequences)),
+            "compiles": out.compiles,
+            "prefill_compiles": extra["prefill_compiles"],
+            "ms_per_token": steps,
+            "median_ms_steps_8_24": early,
+            "median_ms_last_16_steps": late,
+            "late_over_early": late / early if early and late else None,
+            "eager_ms_per_token": ref.ms_per_token,
+            "eager_median_ms": _median(ref.ms_per_token),
+            "prefill_ms": extra["prefill_ms"],
+            "compile_s": extra["compile_s"],
+            "fallback": extra["fallback"],
+            "cuda_graphs": extra["cuda_graphs"],
+        },
+        "reports": [r.to_dict() for r in getattr(out, "reports", [])],
+    }
+    if json_out:
+        print_json(result)
+        return
+    g = result["generate"]
+    console.print(table(
+        f"graphopt run {loaded.name} --generate {tokens}",
+        ["target", "tokens match eager", "decode compiles", "ms/token steps 8-24", "ms/token last 16",
+         "eager ms/token", "compile s"],
+        [[target, g["tokens_match_eager"], g["compiles"], early, late, g["eager_median_ms"], g["compile_s"]]]))
+    if g["fallback"]:
+        console.print(f"[yellow]fallback[/] {g['fallback']}")
+    if g["cuda_graphs"]:
+        console.print(g["cuda_graphs"])
+
+
+def _median(values) -> float | None:
+    return statistics.median(values) if values else None

@@ -1,0 +1,294 @@
+"""Ahead-of-time builds of the registered kernels for NVIDIA and AMD, on a machine with no GPU.
+
+``build("rms_norm", "sm_90")`` runs ``triton.compile(ASTSource(...), target=GPUTarget(...))``
+on each of the kernel's AOT specs (registry.py) and returns a :class:`BuildResult`;
+``prove(result)`` re-reads the artifacts and lists anything that fails to show a real
+build (``built`` is only True when that list is empty). ``tuning=True`` also builds
+the tuned function once per autotune config of the target's vendor.
+
+Where the numbers come from (None where unknown):
+
+- NVIDIA: ``CompiledKernel.n_regs`` / ``n_spills`` are only filled when a driver loads
+  the cubin onto a device, so this module re-runs the ptxas triton used (its bundled
+  binary, same ``--gpu-name`` and register-allocation flag) with ``-v`` on the PTX:
+  ``registers`` is "Used N registers", ``spills`` the bytes of spill stores (loads are
+  in ``details``). None if ptxas cannot run.
+- AMD: the kernel's metadata notes in the amdgcn text: ``registers`` is ``.vgpr_count``
+  (VGPRs bound occupancy; ``.sgpr_count`` and ``.agpr_count`` are in ``details``),
+  ``spills`` is ``.vgpr_spill_count + .sgpr_spill_count``.
+- ``shared_memory``: triton's ``metadata.shared``, the bytes of shared memory (LDS on
+  AMD) a launch requests.
+
+For a kernel with several functions (flash_decoding) the top-level numbers are the
+maxima over its functions. Builds are cached in a private TRITON_CACHE_DIR (a temp dir
+unless ``cache_dir`` is given), never in ~/.triton.
+
+A process running under ``TRITON_INTERPRET=1`` holds interpreted kernels, which cannot
+be compiled, and the interpreter leaves ``triton.language`` patched after a run; such a
+process builds in child processes with the interpreter off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from .registry import KERNELS
+
+# arch -> (backend, arch as GPUTarget wants it, warp size)
+ARCHS: dict[str, tuple[str, int | str, int]] = {
+    "sm_80": ("cuda", 80, 32),
+    "sm_90": ("cuda", 90, 32),
+    "gfx90a": ("hip", "gfx90a", 64),
+    "gfx942": ("hip", "gfx942", 64),
+}
+# Most shared memory (LDS) one block may use: A100 and H100 opt-in maxima, 64 KiB on CDNA.
+MAX_SHARED = {"sm_80": 166912, "sm_90": 232448, "gfx90a": 65536, "gfx942": 65536}
+_ELF_MAGIC = b"\x7fELF"
+_ELF_MACHINE = {"cuda": 190, "hip": 224}  # EM_CUDA, EM_AMDGPU
+_ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+
+
+@dataclass
+class FunctionBuild:
+    """One compiled ``@triton.jit`` function of a kernel."""
+
+    name: str
+    artifacts: dict[str, str]  # "ptx"/"cubin" or "amdgcn"/"hsaco" -> path in the cache dir
+    label: str = ""  # the spec's variant, e.g. an autotune config
+    registers: int | None = None
+    spills: int | None = None
+    shared_memory: int | None = None
+    details: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BuildResult:
+    kernel: str
+    arch: str
+    built: bool
+    error: str | None = None
+    registers: int | None = None
+    shared_memory: int | None = None
+    spills: int | None = None
+    functions: list[FunctionBuild] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> BuildResult:
+        return cls(**{**d, "functions": [FunctionBuild(**f) for f in d.get("functions", [])]})
+
+
+_default_cache: str | None = None
+
+
+def default_cache_dir() -> str:
+    """A per-process temp dir, so builds neither read nor pollute ~/.triton; removed at exit
+    (pass ``cache_dir`` to keep the artifacts)."""
+    global _default_cache
+    if _default_cache is None:
+        _default_cache = tempfile.mkdtemp(prefix="graphopt-triton-aot-")
+        atexit.register(shutil.rmtree, _default_cache, True)
+    return _default_cache
+
+
+def build(kernel: str, arch: str, *, tuning: bool = False, cache_dir: str | None = None) -> BuildResult:
+    """Compile every function of ``kernel`` for ``arch`` ("sm_80", "sm_90", "gfx90a", "gfx942").
+
+    ``tuning`` also builds the tuned function once per autotune config of that vendor.
+    """
+    return build_all([arch], [kernel], tuning=tuning, cache_dir=cache_dir)[0]
+
+
+def build_all(archs=tuple(ARCHS), kernels=None, *, tuning: bool = False, cache_dir: str | None = None,
+              jobs: int | None = None) -> list[BuildResult]:
+    """Build ``kernels`` (default: all registered) for each of ``archs``, kernel-major order.
+
+    ``jobs`` child processes share the work; None builds in this process, unless it is
+    interpreting kernels, in which case it uses one child per CPU.
+    """
+    kernels = list(KERNELS) if kernels is None else list(kernels)
+    for a in archs:
+        if a not in ARCHS:
+            raise ValueError(f"unknown arch {a!r}; known: {', '.join(ARCHS)}")
+    for k in kernels:
+        if k not in KERNELS:
+            raise ValueError(f"unknown kernel {k!r}; known: {', '.join(KERNELS)}")
+    pairs = [(k, a) for k in kernels for a in archs]
+    cache_dir = cache_dir or default_cache_dir()
+    if jobs is None and _interpreting():
+        jobs = os.cpu_count() or 1
+    if jobs is None:
+        return [_build_here(k, a, cache_dir, tuning) for k, a in pairs]
+    return _build_in_children(pairs, cache_dir, max(1, min(jobs, len(pairs))), tuning)
+
+
+def prove(result: BuildResult) -> list[str]:
+    """Why the artifacts on disk do not prove ``result`` built; empty when they do.
+
+    NVIDIA: the PTX declares ``.entry <name>`` for the arch and the cubin is a CUDA ELF
+    (e_machine EM_CUDA) naming the kernel. AMD: the amdgcn text opens the kernel's
+    ``.amdhsa_kernel`` descriptor for the arch and the hsaco is an AMDGPU ELF naming it.
+    """
+    backend, arch, _ = ARCHS[result.arch]
+    problems = [] if result.functions else ["no compiled function"]
+    for f in result.functions:
+        text_kind, bin_kind = _ARTIFACTS[backend]
+        try:
+            with open(f.artifacts[text_kind]) as fh:
+                text = fh.read()
+            with open(f.artifacts[bin_kind], "rb") as fh:
+                binary = fh.read()
+        except (KeyError, OSError) as e:
+            problems.append(f"{f.name}: artifact missing ({e})")
+            continue
+        if backend == "cuda":
+            if not re.search(rf"\.visible\s+\.entry\s+{re.escape(f.name)}\(", text):
+                problems.append(f"{f.name}: no .entry {f.name} in the PTX")
+            if not re.search(rf"\.target\s+sm_{arch}a?\b", text):
+                problems.append(f"{f.name}: PTX does not target sm_{arch}")
+        else:
+            if not re.search(rf"^\s*\.amdhsa_kernel\s+{re.escape(f.name)}\s*$", text, re.M):
+                problems.append(f"{f.name}: no .amdhsa_kernel {f.name} in the amdgcn")
+            if not re.search(rf'\.amdgcn_target\s+"[^"]*-{arch}(:[^"]*)?"', text):
+                problems.append(f"{f.name}: amdgcn does not target {arch}")
+        if binary[:4] != _ELF_MAGIC or int.from_bytes(binary[18:20], "little") != _ELF_MACHINE[backend]:
+            problems.append(f"{f.name}: {bin_kind} is not a {backend} ELF ({len(binary)} bytes)")
+        elif f.name.encode() not in binary:
+            problems.append(f"{f.name}: {bin_kind} has no symbol {f.name}")
+    return problems
+
+
+# -- building in this process -------------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    from triton import knobs
+    return bool(knobs.runtime.interpret)
+
+
+def _max(values):
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
+
+
+def _build_here(kernel: str, arch: str, cache_dir: str, tuning: bool = False) -> BuildResult:
+    from triton import knobs
+
+    backend, target_arch, warp = ARCHS[arch]
+    try:
+        if _interpreting():
+            raise RuntimeError("this process interprets kernels (TRITON_INTERPRET=1): use build_all(jobs=...)")
+        specs = KERNELS[kernel].aot_specs(warp) + (KERNELS[kernel].tuning_specs(warp) if tuning else [])
+        with knobs.cache.scope():
+            knobs.cache.dir = cache_dir
+            funcs = [_compile(spec, backend, target_arch, warp) for spec in specs]
+    except Exception as e:  # any failure is the result: one line of why, not a traceback
+        return BuildResult(kernel, arch, False, error=f"{type(e).__name__}: {str(e).strip()[:2000]}")
+    result = BuildResult(kernel, arch, True, functions=funcs,
+                         registers=_max(f.registers for f in funcs), spills=_max(f.spills for f in funcs),
+                         shared_memory=_max(f.shared_memory for f in funcs))
+    problems = prove(result)
+    if problems:
+        result.built, result.error = False, "; ".join(problems)
+    return result
+
+
+def _compile(spec, backend: str, target_arch, warp: int) -> FunctionBuild:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(spec.fn, spec.full_signature(), spec.constexprs, spec.attrs())
+    # fp fusion stated explicitly: triton 3.9 warns when it has to pick the default.
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": True}
+    compiled = triton.compile(src, target=GPUTarget(backend, target_arch, warp), options=options)
+    artifacts = {}
+    for filename, path in compiled.metadata_group.items():
+        ext = filename.rsplit(".", 1)[-1]
+        if ext in _ARTIFACTS[backend]:
+            artifacts[ext] = path
+    fb = FunctionBuild(compiled.name, artifacts, spec.label, shared_memory=compiled.metadata.shared)
+    if backend == "cuda":
+        _nvidia_resources(fb, target_arch)
+    else:
+        _amd_resources(fb, compiled.asm["amdgcn"])
+    return fb
+
+
+def _nvidia_resources(fb: FunctionBuild, capability: int) -> None:
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            proc = subprocess.run(
+                [get_ptxas(capability).path, "-v", "--regAllocOptLevel=2",
+                 f"--gpu-name={sm_arch_from_capability(capability)}", fb.artifacts["ptx"],
+                 "-o", os.path.join(tmp, "k.cubin")],
+                capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError):
+            return  # registers and spills stay unknown
+    log = proc.stdout + proc.stderr
+    if m := re.search(r"Used (\d+) registers", log):
+        fb.registers = int(m.group(1))
+    if m := re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log):
+        fb.spills = int(m.group(1))
+        fb.details["spill_load_bytes"] = int(m.group(2))
+    if m := re.search(r"(\d+) bytes stack frame", log):
+        fb.details["stack_frame_bytes"] = int(m.group(1))
+
+
+def _amd_resources(fb: FunctionBuild, amdgcn: str) -> None:
+    notes = {k: int(v) for k, v in re.findall(r"^\s*\.(\w+_count):\s+(\d+)\s*$", amdgcn, re.M)}
+    fb.registers = notes.get("vgpr_count")
+    if "vgpr_spill_count" in notes or "sgpr_spill_count" in notes:
+        fb.spills = notes.get("vgpr_spill_count", 0) + notes.get("sgpr_spill_count", 0)
+    fb.details.update({k: v for k, v in notes.items() if k in ("sgpr_count", "agpr_count")})
+
+
+# -- building in child processes ----------------------------------------------------------
+
+
+def _build_in_children(pairs, cache_dir: str, jobs: int, tuning: bool) -> list[BuildResult]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = cache_dir
+    work = tempfile.mkdtemp(prefix="jobs-", dir=cache_dir)
+    children = []
+    for i in range(jobs):
+        chunk = pairs[i::jobs]  # interleaved, so each child gets a mix of cheap and costly builds
+        req, out, log = (os.path.join(work, f"{i}.{ext}") for ext in ("req.json", "out.json", "log"))
+        with open(req, "w") as fh:
+            json.dump({"pairs": chunk, "cache_dir": cache_dir, "out": out, "tuning": tuning}, fh)
+        code = f"import sys; from {__name__} import _child_main; _child_main(sys.argv[1])"
+        with open(log, "w") as log_fh:
+            proc = subprocess.Popen([sys.executable, "-c", code, req], env=env, stdout=log_fh, stderr=log_fh)
+        children.append((proc, chunk, out, log))
+    by_pair = {}
+    for proc, chunk, out, log in children:
+        proc.wait()
+        try:
+            with open(out) as fh:
+                results = [BuildResult.from_dict(d) for d in json.load(fh)]
+        except (OSError, ValueError):
+            with open(log) as fh:
+                tail = fh.read()[-2000:]
+            results = [BuildResult(k, a, False, error=f"build process exited {proc.returncode}: {tail}")
+                       for k, a in chunk]
+        by_pair.update({(r.kernel, r.arch): r for r in results})
+    return [by_pair[p] for p in pairs]
+
+
+def _child_main(request_path: str) -> None:
+    """Entry point of a build child: the request names the pairs and where results go."""
+    with open(request_path) as fh:
+        req = json.load(fh)
+    results = [_build_here(k, a, req["cache_dir"], req["tuning"]) for k, a in req["pairs"]]
+    with open(req["out"], "w") as fh:
+        json.dump([dataclasses.asdict(r) for r in results], fh)

@@ -1,0 +1,349 @@
+"""One step of decoding as a graph with a static KV cache: adapters, compile, buffers.
+
+``graphopt.generate`` needs every causal LM to look the same to torch.export:
+``step(input_ids [B, S], position_ids [B, S], past: list of [B, H, S_past, D]) ->
+(logits, *present)`` with past/present flattened as k0, v0, k1, v1, ... . Two adapters
+provide it:
+- :class:`ExplicitCacheStep` for models whose ``forward(input_ids, past_key_values=None,
+  position_ids=None)`` returns ``(logits, ((k, v), ...))`` (graphopt's reference Llama);
+- :class:`HFCausalStep` for ``transformers`` causal LMs: it builds a ``DynamicCache`` from the
+  tensors inside the traced forward, so the graph shows DynamicCache's ``torch.cat`` on dim -2.
+
+:func:`compile_static_step` exports a step with a dynamic past length, runs the configured
+fusion pipeline, then ``static_kv_cache`` (which turns the cats into in-place updates of
+caches this module allocates) and ``cuda_graphs`` (which marks the capturable regions), and
+lowers the result to the target: a graph with identical shapes at every position.
+:class:`StaticDecoder` drives those graphs over one set of :class:`CacheBuffers`, and
+:class:`EagerDecoder` the model with its own growing cache (the reference); both decode
+step by step so ``graphopt.generate.drive`` can run them in lockstep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from graphopt import ir
+from graphopt.compiler import lower, run_pipeline
+from graphopt.config import Options
+from graphopt.errors import GraphoptError
+from graphopt.frontend import export_aten_graph
+from graphopt.pass_manager import PassContext, PassManager, PipelineResult
+from graphopt.pipeline import build_pipeline
+from graphopt.passes.static_kv_cache import StaticCacheSpec, spec_of
+from graphopt.registry import get_pass
+from graphopt.report import CompileReport, record
+from graphopt.targets import resolve_target
+
+# Targets that run a graph's nodes in order, so an in-place kv_cache_update happens before
+# the attention that reads the cache. ONNX Runtime orders by data dependencies only; it
+# gets its own decode loop (greedy_generate_ort), not this one.
+IN_PLACE_TARGETS = ("eager", "triton")
+LAST_PASSES = ("static_kv_cache", "cuda_graphs")
+
+
+class ExplicitCacheStep(nn.Module):
+    """``forward(input_ids, past_key_values=None, position_ids=None) -> (logits, ((k, v), ...))``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, ...]:
+        pairs = tuple((past[i], past[i + 1]) for i in range(0, len(past), 2)) or None
+        logits, cache = self.model(input_ids, past_key_values=pairs, position_ids=position_ids)
+        return (logits, *[t for kv in cache for t in kv])
+
+
+class HFCausalStep(nn.Module):
+    """A ``transformers`` causal LM with its cache as tensors (DynamicCache built inside)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
+        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, ...]:
+        from transformers import DynamicCache
+
+        pairs = [(past[i], past[i + 1]) for i in range(0, len(past), 2)]
+        cache = DynamicCache(pairs) if pairs else DynamicCache()
+        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, return_dict=True,
+                         **{self.cache_arg: cache}, **self.extra)
+        new = getattr(out, "cache", None) or out.past_key_values
+        if hasattr(new, "layers"):
+            flat = [t for layer in new.layers for t in (layer.keys, layer.values)]
+        else:  # transformers 4.x keeps per-layer lists
+            flat = [t for pair in zip(new.key_cache, new.value_cache) for t in pair]
+        return (out.logits, *flat)
+
+
+@contextlib.contextmanager
+def inference_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout in the graphs) for the block, its own mode restored after."""
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def step_adapter(model: nn.Module) -> nn.Module:
+    """The step adapter for ``model``; GraphoptError naming what is supported otherwise."""
+    if isinstance(model, (ExplicitCacheStep, HFCausalStep)):
+        return model
+    if type(model).__module__.startswith("transformers.") and hasattr(model, "generate"):
+        return HFCausalStep(model)
+    forward = getattr(model, "forward", None)
+    if forward is not None and "past_key_values" in inspect.signature(forward).parameters:
+        return ExplicitCacheStep(model)
+    raise GraphoptError(
+        f"graphopt.generate cannot drive {type(model).__name__}: pass a transformers causal LM or a module whose "
+        "forward(input_ids, past_key_values=None, position_ids=None) returns (logits, ((k, v), ...))")
+
+
+@dataclass
+class StaticStep:
+    """A compiled step and the interface static_kv_cache gave it."""
+
+    fn: Callable
+    spec: StaticCacheSpec
+    gm: fx.GraphModule
+    report: CompileReport
+    compile_s: float
+
+
+def _static_example_inputs(spec: StaticCacheSpec, input_ids: Tensor, position_ids: Tensor, device) -> list:
+    inputs: list[Any] = [input_ids, position_ids]
+    for c in spec.caches:
+        inputs.append(torch.zeros(c.shape, dtype=c.dtype, device=device))
+    inputs.append(torch.zeros((), dtype=torch.long, device=device))
+    if spec.block_table_shape is not None:
+        inputs.append(torch.zeros(spec.block_table_shape, dtype=torch.long, device=device))
+    for c in spec.caches:
+        if c.scales_shape is not None:
+            inputs.append(torch.ones(c.scales_shape, dtype=torch.float32, device=device))
+    return inputs
+
+
+def layout_options(config: Options, max_length: int) -> Options:
+    """``config`` with static_kv_cache's ``max_length`` set (its other options are the user's)."""
+    mine = dict(config.pass_options.get("static_kv_cache", {}))
+    mine["max_length"] = max_length
+    return config.replace(pass_options={**config.pass_options, "static_kv_cache": mine})
+
+
+def _in_place_target(config: Options, report: CompileReport) -> Options:
+    """The config to lower with: targets that cannot order an in-place update go to eager (noted)."""
+    try:
+        target, _ = resolve_target(config)
+    except GraphoptError:
+        return config  # lower() reports the unavailable target and falls back itself
+    if target.name in IN_PLACE_TARGETS:
+        return config
+    report.add_fallback(f"target:{target.name}", f"target {target.name} does not run graphs with an in-place "
+                        "kv_cache_update; the static-cache step runs on eager")
+    return config.replace(target="eager")
+
+
+def compile_static_step(adapter: nn.Module, input_ids: Tensor, position_ids: Tensor, past: list[Tensor],
+                        config: Options, max_length: int) -> StaticStep:
+    """Export ``adapter`` at these inputs (past length dynamic), optimize, make the cache static, lower.
+
+    Raises GraphoptError when the step cannot get a static cache (the near misses say why).
+    """
+    start = time.perf_counter()
+    dynamic = torch.export.Dim.DYNAMIC
+    program = export_aten_graph(adapter, (input_ids, position_ids, past),
+                                dynamic_shapes=(None, None, [{2: dynamic}] * len(past)))
+    gm = program.gm
+    report = CompileReport(target="eager", requested_target=config.target, frontend="export",
+                           frozen_weights=program.frozen_weights, nodes_in=ir.node_count(gm))
+    # The fusion stage: the configured pipeline less the two passes that must run last, below.
+    fusion = [p.name for p in build_pipeline(config.pipeline or None, int4=getattr(config, "int4", False))
+              if p.name not in LAST_PASSES]
+    if fusion:
+        fused, _ = run_pipeline(gm, config.replace(pipeline=fusion), list(program.example_inputs))
+    else:  # an empty pipeline option would mean the default one
+        fused = PipelineResult(gm, [], [], [], [])
+    layout_config = layout_options(config, max_length)
+    # static_kv_cache changes the inputs, so it runs apart from the fusion pipeline (whose
+    # numeric checks replay the exported inputs) and always last: no later pass may move a
+    # cache read across its kv_cache_update.
+    stage = PassManager([get_pass(name) for name in LAST_PASSES], verify=config.verify, fallback=config.fallback)
+    result = stage.run(fused.gm, PassContext(layout_config))
+    report.passes = fused.records + result.records
+    report.near_misses = fused.near_misses + result.near_misses
+    report.rewrites = fused.rewrites + result.rewrites
+    report.fallbacks.extend(fused.fallbacks + result.fallbacks)
+    spec = spec_of(result.gm)
+    if spec is None:
+        reasons = "; ".join(m.reason for m in result.near_misses if m.pass_name == "static_kv_cache")
+        reasons = reasons or next((f["reason"] for f in result.fallbacks), "static_kv_cache did not fire")
+        raise GraphoptError(f"no static KV cache for {type(adapter).__name__}: {reasons}")
+    report.op_counts, report.nodes_out = ir.op_counts(result.gm), ir.node_count(result.gm)
+    device = past[0].device if past else input_ids.device
+    examples = _static_example_inputs(spec, input_ids, position_ids, device)
+    fn = lower(result.gm, examples, _in_place_target(config, report), report)
+    report.compile_s = time.perf_counter() - start
+    record(report)
+    return StaticStep(fn, spec, result.gm, report, report.compile_s)
+
+
+class CacheBuffers:
+    """The static cache buffers of one ``generate`` call, allocated once, shared by every step graph."""
+
+    def __init__(self, spec: StaticCacheSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.caches = [torch.zeros(c.shape, dtype=c.dtype, device=device) for c in spec.caches]
+        self.scales = [torch.zeros(c.scales_shape, dtype=torch.float32, device=device)
+                       for c in spec.caches if c.scales_shape is not None]
+        self.block_table = None
+        if spec.block_table_shape is not None:
+            # One contiguous run of blocks per sequence; any permutation would do (the tests use one).
+            self.block_table = torch.arange(spec.block_table_shape[0] * spec.block_table_shape[1],
+                                            device=device).view(spec.block_table_shape)
+        self.pos = torch.zeros((), dtype=torch.long, device=device)
+
+    def compatible(self, spec: StaticCacheSpec) -> bool:
+        mine = self.spec
+        return ([(c.shape, c.dtype, c.scales_shape) for c in mine.caches]
+                == [(c.shape, c.dtype, c.scales_shape) for c in spec.caches]
+                and mine.block_table_shape == spec.block_table_shape)
+
+    def inputs(self, spec: StaticCacheSpec, input_ids: Tensor, position_ids: Tensor, pos: int) -> list:
+        """The step graph's inputs in its order; ``pos`` is written into the one position tensor."""
+        self.pos.fill_(pos)
+        args: list[Any] = [input_ids, position_ids, *self.caches, self.pos]
+        if spec.block_table_index is not None:
+            args.append(self.block_table)
+        return args + self.scales
+
+
+def positions(batch: int, start: int, length: int, device) -> Tensor:
+    """Position ids ``start .. start + length - 1`` for every row: [batch, length]."""
+    return torch.arange(start, start + length, device=device).expand(batch, length)
+
+
+def _first(out: Any) -> Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class StepCache:
+    """Compiled step graphs by input signature; ``compiles`` counts the misses."""
+
+    def __init__(self, compile_fn: Callable) -> None:
+        self.compile_fn, self.graphs, self.compiles, self.compile_s = compile_fn, {}, 0, 0.0
+
+    def get(self, input_ids: Tensor, position_ids: Tensor, past: list[Tensor]):
+        key = tuple((tuple(t.shape), t.dtype, t.device) for t in (input_ids, position_ids))
+        if key not in self.graphs:
+            step = self.compile_fn(input_ids, position_ids, past)
+            self.graphs[key] = step
+            self.compiles += 1
+            self.compile_s += step.compile_s
+        return self.graphs[key]
+
+
+class EagerDecoder:
+    """The model run eagerly with its own growing (concatenated) cache: the reference loop.
+
+    Decoders share one protocol so a driver can run several in lockstep: ``prepare`` and
+    ``prepare_step`` do whatever is not decoding (compiling), ``prefill`` and ``step`` decode
+    one chunk and return the next tokens [B, 1]."""
+
+    compiles = prefill_compiles = 0
+    compile_s = 0.0
+    cuda_graphs = ""
+    reports: list = []
+
+    def __init__(self, model: nn.Module, sample: Callable[[Tensor], Tensor]) -> None:
+        self.step_fn, self.sample, self.past = step_adapter(model), sample, []
+
+    def prepare(self, input_ids: Tensor) -> None:
+        pass
+
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        batch, prompt = input_ids.shape
+        logits, *self.past = self.step_fn(input_ids, positions(batch, 0, prompt, input_ids.device), [])
+        return self.sample(logits[:, -1])
+
+    def prepare_step(self, token: Tensor, position: int) -> None:
+        pass
+
+    def step(self, token: Tensor, position: int) -> Tensor:
+        logits, *self.past = self.step_fn(token, positions(token.shape[0], position, 1, token.device), self.past)
+        return self.sample(logits[:, -1])
+
+
+class StaticDecoder:
+    """Compiled prefill and decode graphs over one set of static cache buffers."""
+
+    def __init__(self, model: nn.Module, sample: Callable[[Tensor], Tensor], config: Options,
+                 max_length: int) -> None:
+        from graphopt.cuda_graphs import wrap_step
+
+        self.step_fn, self.sample, self.wrap_step = step_adapter(model), sample, wrap_step
+        self.graphs = StepCache(lambda ids, pos, past: compile_static_step(self.step_fn, ids, pos, past, config,
+                                                                            max_length))
+        self.runners: dict[int, Callable] = {}
+        self.prefill_compiles, self.cuda_graphs = 0, ""
+
+    def prepare(self, input_ids: Tensor) -> None:
+        """Compile the prefill graph (raises GraphoptError, or what export raised, when it cannot)."""
+        batch, prompt = input_ids.shape
+        self.probe = example_past(self.step_fn, input_ids)
+        self.first = self.graphs.get(input_ids, positions(batch, 0, prompt, input_ids.device), self.probe)
+        self.prefill_compiles = self.graphs.compiles
+        self.buffers = CacheBuffers(self.first.spec, input_ids.device)
+
+    def prefill(self, input_ids: Tensor) -> Tensor:
+        batch, prompt = input_ids.shape
+        args = self.buffers.inputs(self.first.spec, input_ids, positions(batch, 0, prompt, input_ids.device), 0)
+        return self.sample(_first(self.first.fn(*args))[:, -1])
+
+    def prepare_step(self, token: Tensor, position: int) -> None:
+        step = self.graphs.get(token, positions(token.shape[0], position, 1, token.device), self.probe)
+        if not self.buffers.compatible(step.spec):
+            raise GraphoptError("the decode step's static cache differs from the prefill's; this is a graphopt bug")
+        if id(step) not in self.runners:
+            self.runners[id(step)], self.cuda_graphs = self.wrap_step(step.fn, step.gm, step.spec)
+        self.next = step, self.runners[id(step)]
+
+    def step(self, token: Tensor, position: int) -> Tensor:
+        step, run = self.next
+        args = self.buffers.inputs(step.spec, token, positions(token.shape[0], position, 1, token.device), position)
+        return self.sample(_first(run(*args))[:, -1])
+
+    @property
+    def compiles(self) -> int:
+        return self.graphs.compiles - self.prefill_compiles
+
+    @property
+    def compile_s(self) -> float:
+        return self.graphs.compile_s
+
+    @property
+    def reports(self) -> list[CompileReport]:
+        return [g.report for g in self.graphs.graphs.values()]
+
+
+def example_past(step: nn.Module, input_ids: Tensor) -> list[Tensor]:
+    """Zero past K/V shaped like the model's cache, with a length unlike any step's (so the
+    exported length symbol is not merged with a static size): the model's own cache from a
+    one-token probe tells the number of layers, heads and head size."""
+    batch, prompt = input_ids.shape
+    _, *present = step(input_ids[:, :1], positions(batch, 0, 1, input_ids.device), [])
+    length = next(n for n in range(3, 64) if n not in (prompt, prompt + 1))
+    return [torch.zeros(t.shape[0], t.shape[1], length, t.shape[3], dtype=t.dtype, device=t.device) for t in present]

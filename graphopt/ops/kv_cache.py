@@ -1,0 +1,165 @@
+"""KV-cache append in place: ``graphopt.kv_cache_update(cache, new, pos, layout, block_table, scales)``.
+
+This is the one graphopt op that mutates its inputs (``cache`` and, for int8 KV,
+``scales``): a static cache is written where it lies, so decoding allocates its cache
+once and every step has the same shapes. Only ``passes/static_kv_cache.py`` creates it,
+on caches owned by ``graphopt.generate`` (see passes/README.md for why that is safe).
+
+``new`` is [B, H, S_new, D]; its rows go to sequence positions ``pos .. pos + S_new - 1``.
+``pos`` is a 0-d (or one-element) int64 tensor, so the position is data, not a shape:
+one graph serves every decode step. The reference never reads ``pos`` on the host
+(no ``.item()``), so it can be captured in a CUDA graph; an out-of-range position fails
+inside ``index_copy_``/``index_put_`` (the generate loop checks the bound on the host).
+
+Layouts of ``cache`` (``scales`` has the same layout with D = 1):
+- ``bhsd`` [B, H, S_max, D]: the default; attention reads the cache as it is.
+- ``bshd`` [B, S_max, H, D]: the layout of the tokens' projections; attention reads a transposed view.
+- ``paged`` [num_blocks, H, block_size, D] plus ``block_table`` [B, blocks_per_seq] (int32
+  or int64): position p of sequence b lives in block ``block_table[b, p // block_size]``
+  at slot ``p % block_size``, so sequences can share one pool of fixed-size blocks.
+
+int8 KV: with ``scales`` given, ``cache`` is int8 and each (token, head) row is quantized
+symmetrically, ``q = round(new / s)`` with ``s = max|new| / 127`` stored in ``scales``;
+:func:`read_cache` dequantizes. Per-token scales keep an outlier token from crushing the
+precision of every other token, which per-tensor scales would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from graphopt.ops._library import register
+
+LAYOUTS = ("bhsd", "bshd", "paged")
+INT8_MAX = 127.0
+
+
+def _seq_dim(layout: str) -> int:
+    return {"bhsd": 2, "bshd": 1}[layout]
+
+
+def check_update(cache: Tensor, new: Tensor, pos: Tensor, layout: str, block_table: Tensor | None,
+                 scales: Tensor | None) -> None:
+    """Raise ValueError, one line, when the arguments do not describe one cache update."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"kv_cache_update layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if cache.dim() != 4 or new.dim() != 4:
+        raise ValueError(f"kv_cache_update needs 4-D cache and new, got {tuple(cache.shape)} and {tuple(new.shape)}")
+    if pos.numel() != 1 or pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"kv_cache_update pos must be a one-element int tensor, got {pos.dtype} {tuple(pos.shape)}")
+    b, h, _, d = new.shape
+    if layout == "paged":
+        if block_table is None or block_table.dim() != 2 or block_table.shape[0] != b:
+            got = None if block_table is None else tuple(block_table.shape)
+            raise ValueError(f"paged kv_cache_update needs a block_table [{b}, blocks_per_seq], got {got}")
+        want = (h, d)
+        have = (cache.shape[1], cache.shape[3])
+    else:
+        seq = _seq_dim(layout)
+        want = (b, h, d)
+        have = (cache.shape[0], cache.shape[3 - seq], cache.shape[3])
+    if have != want:
+        raise ValueError(f"{layout} cache {tuple(cache.shape)} does not hold new {tuple(new.shape)} "
+                         f"(batch/heads/head_dim {have} != {want})")
+    if scales is not None:
+        if cache.dtype != torch.int8:
+            raise ValueError(f"kv_cache_update with scales needs an int8 cache, got {cache.dtype}")
+        if tuple(scales.shape) != (*cache.shape[:3], 1):
+            raise ValueError(f"int8 scales must be {(*cache.shape[:3], 1)} (the cache with D = 1), "
+                             f"got {tuple(scales.shape)}")
+    elif cache.dtype == torch.int8:
+        raise ValueError("an int8 cache needs its per-token scales; pass scales")
+
+
+def quantize_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-row int8: ``(q, s)`` with ``x ~= q * s``, s = max|x| / 127 over the last dim."""
+    xf = x.float()
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp_min(1e-12)  # an all-zero row stays zero
+    q = torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def _write(cache: Tensor, rows: Tensor, positions: Tensor, layout: str, block_table: Tensor | None) -> None:
+    """Store ``rows`` [B, H, S_new, D'] at ``positions`` [S_new] of ``cache``."""
+    rows = rows.to(cache.dtype)
+    if layout == "bhsd":
+        cache.index_copy_(2, positions, rows)
+    elif layout == "bshd":
+        cache.index_copy_(1, positions, rows.transpose(1, 2))
+    else:
+        block_size = cache.shape[2]
+        blocks = block_table[:, positions // block_size].long()  # [B, S_new]
+        slots = (positions % block_size).expand_as(blocks)
+        # Advanced indices on dims 0 and 2 put their [B, S_new] shape first: values are [B, S_new, H, D].
+        cache[blocks, :, slots] = rows.permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("graphopt::kv_cache_update", mutates_args=("cache", "scales"))
+def kv_cache_update(cache: Tensor, new: Tensor, pos: Tensor, layout: str = "bhsd",
+                    block_table: Tensor | None = None, scales: Tensor | None = None) -> None:
+    """Write ``new`` [B, H, S_new, D] into ``cache`` at positions ``pos .. pos + S_new - 1``, in place.
+
+    ``layout``: ``bhsd`` | ``bshd`` | ``paged`` (needs ``block_table``); ``scales`` makes the
+    cache int8 with per-token, per-head scales (written in place too). Returns nothing: a
+    custom op may not return an alias of an input, and readers read ``cache`` itself.
+    """
+    check_update(cache, new, pos, layout, block_table, scales)
+    positions = pos.reshape(()).to(device=cache.device, dtype=torch.long) + torch.arange(
+        new.shape[2], device=cache.device)
+    if scales is None:
+        _write(cache, new, positions, layout, block_table)
+        return
+    q, s = quantize_int8(new)
+    _write(cache, q, positions, layout, block_table)
+    _write(scales, s, positions, layout, block_table)
+
+
+@kv_cache_update.register_fake
+def _(cache, new, pos, layout="bhsd", block_table=None, scales=None):
+    check_update(cache, new, pos, layout, block_table, scales)
+    return None
+
+
+def read_cache(cache: Tensor, layout: str = "bhsd", block_table: Tensor | None = None,
+               scales: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
+    """The whole cache as [B, H, S_max, D] in ``dtype``: what attention reads after an update.
+
+    ``bhsd`` is the cache itself and ``bshd`` a transposed view (no copy); ``paged`` gathers
+    the sequence's blocks (S_max = blocks_per_seq * block_size); int8 dequantizes.
+    ``passes/static_kv_cache.py`` emits the same ATen ops into the graph.
+    """
+    if layout == "bhsd":
+        out = cache
+    elif layout == "bshd":
+        out = cache.transpose(1, 2)
+    elif layout == "paged":
+        gathered = cache[block_table.long()]  # [B, blocks_per_seq, H, block, D]
+        b, n, h, blk, d = gathered.shape
+        out = gathered.permute(0, 2, 1, 3, 4).reshape(b, h, n * blk, d)
+    else:
+        raise ValueError(f"kv cache layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+    if scales is not None:
+        s = read_cache(scales, layout, block_table)
+        return (out.float() * s.float()).to(dtype or torch.float32)
+    return out if dtype is None else out.to(dtype)
+
+
+def cache_shape(layout: str, batch: int, heads: int, max_length: int, head_dim: int,
+                block_size: int = 16) -> tuple[int, ...]:
+    """The buffer shape one layer's K (or V) cache has in ``layout``.
+
+    Paged pools get exactly ``batch * ceil(max_length / block_size)`` blocks: one
+    contiguous run per sequence is all a single ``generate`` call needs.
+    """
+    if layout == "bhsd":
+        return (batch, heads, max_length, head_dim)
+    if layout == "bshd":
+        return (batch, max_length, heads, head_dim)
+    if layout == "paged":
+        blocks = -(-max_length // block_size)
+        return (batch * blocks, heads, block_size, head_dim)
+    raise ValueError(f"kv cache layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
+register("kv_cache_update")

@@ -1,0 +1,101 @@
+"""Every registered kernel compiles ahead of time for NVIDIA and AMD on this GPU-less machine."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+
+import pytest
+
+from graphopt.backends.triton import aot
+from graphopt.backends.triton.registry import KERNELS, AotSpec
+
+ARCHS = list(aot.ARCHS)  # sm_80, sm_90, gfx90a, gfx942
+
+
+@pytest.fixture(scope="module")
+def builds(request, tmp_path_factory, aot_cache_dir):
+    """All kernels x all archs, with every autotune config, built once into the session's
+    throwaway TRITON_CACHE_DIR (conftest's aot_cache_dir; about a minute on two cores).
+
+    This process interprets kernels, so build_all compiles in child processes (one per CPU).
+    Under pytest-xdist the workers share one build through a lock in the session's temp
+    root, instead of each paying for it.
+    """
+    if not hasattr(request.config, "workerinput"):
+        cache = aot_cache_dir
+        return cache, {(r.kernel, r.arch): r for r in aot.build_all(ARCHS, tuning=True, cache_dir=cache)}
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # per session, shared by its workers
+    cache, done = aot_cache_dir, root / "triton-aot-results.json"
+    with FileLock(str(root / "triton-aot.lock")):
+        if not done.exists():
+            results = aot.build_all(ARCHS, tuning=True, cache_dir=cache)
+            done.write_text(json.dumps([dataclasses.asdict(r) for r in results]))
+    results = [aot.BuildResult.from_dict(d) for d in json.loads(done.read_text())]
+    return cache, {(r.kernel, r.arch): r for r in results}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernel_builds(builds, kernel, arch):
+    cache, results = builds
+    r = results[(kernel, arch)]
+    assert r.built, r.error
+    assert aot.prove(r) == []
+    warp = aot.ARCHS[arch][2]
+    entry = KERNELS[kernel]
+    assert len(r.functions) == len(entry.aot_specs(warp)) + len(entry.tuning_specs(warp))
+    assert all(p.startswith(cache) for f in r.functions for p in f.artifacts.values())
+    for f in r.functions:
+        variant = f"{kernel} [{f.label or 'representative'}] on {arch}"
+        assert f.registers is not None and f.registers > 0, variant
+        # Every config the autotuner may pick must fit the part and keep its registers.
+        assert f.spills == 0, f"{variant} spills {f.spills} bytes"
+        assert f.shared_memory is not None and f.shared_memory <= aot.MAX_SHARED[arch], variant
+
+
+def test_register_counts_match_the_cubin(builds):
+    """ptxas -v re-run on the PTX must agree with the registers the cubin records."""
+    from triton import knobs
+
+    _, results = builds
+    cuobjdump = knobs.nvidia.cuobjdump
+    if cuobjdump is None:
+        pytest.skip("triton ships no cuobjdump here")
+    for (kernel, arch), r in results.items():
+        if arch != "sm_90":
+            continue
+        for f in r.functions:
+            dump = subprocess.run([cuobjdump.path, "--dump-resource-usage", f.artifacts["cubin"]],
+                                  capture_output=True, text=True, check=True).stdout
+            m = re.search(rf"Function {re.escape(f.name)}:\s*REG:(\d+)", dump)
+            assert m and int(m.group(1)) == f.registers, (kernel, f.name, dump)
+
+
+def test_prove_rejects_artifacts_that_are_not_builds(tmp_path):
+    ptx, cubin = tmp_path / "k.ptx", tmp_path / "k.cubin"
+    ptx.write_text(".version 8.0\n.target sm_90a\n// no entry point\n")
+    cubin.write_bytes(b"not an elf")
+    fake = aot.BuildResult("k", "sm_90", True, functions=[aot.FunctionBuild("k", {"ptx": str(ptx),
+                                                                                     "cubin": str(cubin)})])
+    problems = aot.prove(fake)
+    assert any(".entry" in p for p in problems) and any("ELF" in p for p in problems)
+    assert aot.prove(aot.BuildResult("k", "gfx942", True)) == ["no compiled function"]
+
+
+def test_rejects_unknown_arch_and_kernel():
+    with pytest.raises(ValueError, match="unknown arch"):
+        aot.build("rms_norm", "sm_70")
+    with pytest.raises(ValueError, match="unknown kernel"):
+        aot.build("matmul", "sm_90")
+
+
+def test_spec_must_type_every_argument():
+    spec = KERNELS["kv_cache_update"].aot_specs(32)[0]
+    partial = {k: v for k, v in spec.signature.items() if k != "new_len"}
+    with pytest.raises(ValueError, match="new_len"):
+        AotSpec(spec.fn, partial, spec.constexprs).full_signature()

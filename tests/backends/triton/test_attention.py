@@ -1,0 +1,127 @@
+"""Flash-attention prefill and flash-decoding kernels vs the graphopt reference op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphopt.ops  # noqa: F401  (registers torch.ops.graphopt.*)
+from graphopt.backends.triton.kernels import attention as dispatch
+from graphopt.backends.triton.kernels import flash_attention as fa
+from graphopt.backends.triton.kernels import flash_decoding as fd
+
+from ._numerics import DTYPES, assert_matches, poisoned, randn
+
+ops = torch.ops.graphopt
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+# (B, Hq, Hkv, Sq, Skv, D, Dv). The interpreter's tiles are 16x16, so these cover one
+# partial tile; GQA with Sq < Skv (a KV cache) and D = 24; Sq > Skv, where causal rows
+# see no key at all (nan, as in the reference); and Dv != D with MQA over 3 KV blocks.
+PREFILL = [(1, 2, 2, 5, 5, 16, 16), (2, 4, 2, 7, 19, 24, 24), (1, 6, 2, 33, 20, 32, 16),
+           (1, 2, 1, 3, 40, 64, 64)]
+# (B, Hq, Hkv, Skv, D, Dv): MHA; GQA 4 over 70 keys; GQA 3 (padded to 16 rows), Dv != D.
+DECODE = [(1, 2, 2, 5, 16, 16), (2, 8, 2, 70, 24, 24), (1, 6, 2, 33, 32, 16)]
+
+
+def _qkv(b, hq, hkv, sq, skv, d, dv, dtype):
+    return (randn(b, hq, sq, d, dtype=dtype), randn(b, hkv, skv, d, dtype=dtype),
+            randn(b, hkv, skv, dv, dtype=dtype))
+
+
+def _mask(kind, b, hq, sq, skv, dtype):
+    if kind == "bool":  # per-head, with the last key always visible so no row is empty
+        m = torch.rand(b, hq, sq, skv) > 0.3
+        m[..., -1] = True
+        return m
+    if kind == "additive":  # [Sq, Skv] broadcast over batch and heads (stride-0 dims)
+        return randn(sq, skv, dtype=dtype)
+    return None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", PREFILL)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_flash_attention(shape, dtype, mask_kind, is_causal):
+    b, hq, hkv, sq, skv, d, dv = shape
+    q, k, v = _qkv(*shape, dtype)
+    mask = _mask(mask_kind, b, hq, sq, skv, dtype)
+    out = poisoned((b, hq, sq, dv), dtype)
+    got = fa.flash_attention(q, k, v, mask, None, is_causal, out=out)
+    ref = ops.attention(q, k, v, mask, None, is_causal)
+    assert got is out
+    # nan only where the reference has it: causal rows that see no key when Sq > Skv.
+    assert_matches(got, ref, equal_nan=True)
+    assert got.isnan().sum() == ref.isnan().sum()
+
+
+def test_flash_attention_rows_with_no_visible_key_are_nan_like_the_reference():
+    q, k, v = _qkv(1, 2, 2, 4, 6, 16, 16, torch.float32)
+    mask = torch.ones(1, 1, 4, 6, dtype=torch.bool)
+    mask[..., 2, :] = False
+    got = fa.flash_attention(q, k, v, mask)
+    assert got[..., 2, :].isnan().all() and not got[..., [0, 1, 3], :].isnan().any()
+    assert_matches(got, ops.attention(q, k, v, mask), equal_nan=True)
+
+
+def test_flash_attention_scale_and_strided_inputs():
+    # q/k/v as transposed [B, S, H, D] projections, and an explicit scale.
+    q = randn(2, 9, 4, 32, dtype=torch.float32).transpose(1, 2)
+    k = randn(2, 12, 2, 32, dtype=torch.float32).transpose(1, 2)
+    v = randn(2, 12, 2, 32, dtype=torch.float32).transpose(1, 2)
+    assert_matches(fa.flash_attention(q, k, v, None, 0.3, True), ops.attention(q, k, v, None, 0.3, True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", DECODE)
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_flash_decoding(shape, dtype, mask_kind, num_splits):
+    b, hq, hkv, skv, d, dv = shape
+    q, k, v = _qkv(b, hq, hkv, 1, skv, d, dv, dtype)
+    mask = _mask(mask_kind, b, hq, 1, skv, dtype)
+    out = poisoned((b, hq, 1, dv), dtype)
+    got = fd.flash_decoding(q, k, v, mask, None, num_splits=num_splits, out=out)
+    assert got is out
+    assert_matches(got, ops.attention(q, k, v, mask, None, True))
+
+
+def test_flash_decoding_split_that_sees_no_key():
+    # Keys 0..47 masked: with 16-key splits the first three splits see nothing and must
+    # drop out of the reduction with weight 0, not poison it with nan.
+    q, k, v = _qkv(1, 4, 2, 1, 70, 16, 16, torch.float32)
+    mask = torch.ones(1, 1, 1, 70, dtype=torch.bool)
+    mask[..., :48] = False
+    got = fd.flash_decoding(q, k, v, mask, num_splits=5)
+    assert_matches(got, ops.attention(q, k, v, mask))
+
+
+def test_flash_decoding_default_splits():
+    q, k, v = _qkv(1, 4, 1, 1, 100, 16, 16, torch.float32)
+    assert fd.default_num_splits(1, 100, q.device) > 1  # long cache, few heads: split it
+    assert_matches(fd.flash_decoding(q, k, v), ops.attention(q, k, v))
+
+
+@pytest.mark.parametrize("sq", [1, 4])
+def test_attention_dispatch(sq):
+    q, k, v = _qkv(1, 4, 2, sq, 20, 16, 16, torch.float32)
+    assert_matches(dispatch.attention(q, k, v, None, None, True), ops.attention(q, k, v, None, None, True))
+
+
+def test_tolerance_catches_a_missing_causal_mask():
+    q, k, v = _qkv(1, 2, 2, 8, 8, 16, 16, torch.float32)
+    with pytest.raises(AssertionError):
+        assert_matches(fa.flash_attention(q, k, v, None, None, False), ops.attention(q, k, v, None, None, True))
+
+
+def test_empty_kv_gives_zeros_like_the_reference():
+    q, k, v = _qkv(1, 2, 2, 3, 0, 16, 16, torch.float32)
+    assert_matches(fa.flash_attention(q, k, v), ops.attention(q, k, v))
+    assert_matches(fd.flash_decoding(q[:, :, :1], k, v), ops.attention(q[:, :, :1], k, v))
+
+
+def test_rejects_heads_that_do_not_group():
+    q, k, v = _qkv(1, 3, 2, 1, 4, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="multiple"):
+        dispatch.attention(q, k, v)

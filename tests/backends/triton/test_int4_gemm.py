@@ -1,0 +1,146 @@
+"""The INT4 GEMM / GEMV kernel vs graphopt.int4_linear under the interpreter, and its
+ahead-of-time builds for sm_80, sm_90, gfx90a and gfx942."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from triton.runtime.jit import JITFunction
+
+import graphopt.ops  # noqa: F401  (registers torch.ops.graphopt.*)
+from graphopt.backends.triton.kernels import int4_gemm
+from graphopt.quantization import quantize_int4
+
+from ._numerics import TOLERANCES, poisoned, randn
+
+if not int4_gemm._common.interpreting():  # pragma: no cover - conftest sets TRITON_INTERPRET first
+    pytest.skip("TRITON_INTERPRET=1 must be set before the kernels are imported", allow_module_level=True)
+if isinstance(int4_gemm.int4_gemm_kernel, JITFunction):  # imported earlier without the interpreter
+    importlib.reload(int4_gemm)  # (conftest reloads the kernel modules it knows of; this one is new)
+
+ref_op = torch.ops.graphopt.int4_linear
+
+
+def weight(n: int, k: int, group: int, symmetric: bool, dtype=torch.float16):
+    w = randn(n, k, dtype=torch.float32, scale=0.05)
+    q = quantize_int4(w, group, symmetric, "float16" if dtype != torch.bfloat16 else "bfloat16", "rtn")
+    return q.packed, q.scales, q.zeros
+
+
+def check(m, n, k, group, dtype, symmetric=True, bias=False, lead=(), split_k=None):
+    packed, scales, zeros = weight(n, k, group, symmetric, dtype)
+    x = randn(*lead, m, k, dtype=dtype)
+    b = randn(n, dtype=dtype) if bias else None
+    out = poisoned((*lead, m, n), dtype)
+    got = int4_gemm.int4_linear(x, packed, scales, zeros, group, b, out=out, split_k=split_k)
+    assert got is out
+    want = ref_op(x, packed, scales, zeros, group, b)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    tol = TOLERANCES[dtype]
+    if dtype != torch.float32:  # K-long sums of rounded products: a few ulps of the output's magnitude
+        tol = {"rtol": 2 * tol["rtol"], "atol": 2 * tol["atol"]}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_decode_rows(m, dtype):
+    check(m, 96, 128, 32, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_rows(dtype):
+    check(40, 80, 128, 64, dtype, bias=True)
+
+
+@pytest.mark.parametrize("m", [1, 24])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_asymmetric_with_bias_each_group_size(m, group):
+    check(m, 48, 256, group, torch.float16, symmetric=False, bias=True)
+
+
+@pytest.mark.parametrize("m", [1, 20])
+def test_k_not_a_multiple_of_the_group(m):
+    check(m, 40, 72, 32, torch.float32, symmetric=False, bias=True)  # 3 groups, the last 8/32 full
+
+
+@pytest.mark.parametrize("split_k", [2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_split_k_decode(split_k, bias):
+    check(2, 64, 256, 32, torch.float32, symmetric=False, bias=bias, split_k=split_k)
+
+
+def test_leading_dims():
+    check(5, 32, 64, 32, torch.float16, lead=(2,))
+
+
+def test_bad_input_fails_with_one_line():
+    packed, scales, zeros = weight(32, 64, 32, True)
+    with pytest.raises(ValueError, match="input has 100 features"):
+        int4_gemm.int4_linear(torch.randn(1, 100), packed, scales, zeros, 32)
+    with pytest.raises(ValueError, match="bias must be"):
+        int4_gemm.int4_linear(torch.randn(1, 64), packed, scales, zeros, 32, torch.randn(3))
+
+
+def test_prune_keeps_block_k_dividing_the_group():
+    configs = int4_gemm.gpu_configs(hip=False)
+    for group in (32, 64, 128):
+        kept = int4_gemm.prune_configs(configs, {"GROUP": group})
+        assert kept and all(group % c.kwargs["BLOCK_K"] == 0 for c in kept)
+
+
+_BUILD = r"""
+import json, sys
+from graphopt.backends.triton import aot, registry
+registry.KERNELS["int4_gemm"] = registry.KernelEntry("int4_gemm", "graphopt.int4_linear", "int4_gemm", "int4_linear")
+results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for arch in sys.argv[2:]]
+print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
+                       functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
+                                       async_copies=open(f.artifacts["ptx"]).read().count("cp.async")
+                                       if "ptx" in f.artifacts else None)
+                                  for f in r.functions]) for r in results]))
+"""
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Builds for the four archs in two child processes (this one interprets kernels). The
+    kernel is registered inside the children only: the registry entry is the lead's to add."""
+    cache = str(tmp_path_factory.mktemp("int4-aot"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, cache, *archs], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for archs in (("sm_80", "sm_90"), ("gfx90a", "gfx942"))]
+    results = {}
+    for p in procs:
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+        results.update({r["arch"]: r for r in json.loads(out.strip().splitlines()[-1])})
+    return results
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx90a", "gfx942"])
+def test_builds_ahead_of_time(builds, arch):
+    from graphopt.backends.triton import aot
+
+    r = builds[arch]
+    assert r["built"], r["error"]
+    assert r["problems"] == []
+    warp = aot.ARCHS[arch][2]
+    hip = warp == 64
+    n_tuning = len(int4_gemm.prune_configs(int4_gemm.gpu_configs(hip), {"GROUP": 32}))
+    assert len(r["functions"]) == len(int4_gemm.aot_specs("int4_gemm", warp)) + n_tuning
+    for f in r["functions"]:
+        assert f["registers"] and f["spills"] == 0, f"{f['label'] or 'spec'} on {arch} spills {f['spills']} bytes"
+        assert f["shared"] <= aot.MAX_SHARED[arch], f
+    if not hip:  # the MMA paths' weight and x loads are software-pipelined: cp.async stages in flight
+        mma = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16")]
+        assert len(mma) == 2 and all(f["async_copies"] > 0 for f in mma), mma

@@ -1,0 +1,72 @@
+"""``graphopt kernels``: every kernel builds for sm_90 and gfx942, JSON and table, one-line errors.
+
+The real builds reuse the session's AOT cache (conftest's aot_cache_dir, filled by
+test_aot when it runs first), so they are mostly triton cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from typer.testing import CliRunner
+
+from graphopt.backends.triton.registry import KERNELS
+from graphopt.cli.main import app
+
+FIELDS = {"kernel", "arch", "built", "error", "registers", "shared_memory", "spills"}
+
+
+def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
+    # A child without TRITON_INTERPRET, as a user runs it: it builds in its own process.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "graphopt.cli.main", "kernels", "--arch", "sm_90,gfx942",
+                           "--json", "--cache-dir", aot_cache_dir],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout)
+    assert all(set(r) == FIELDS for r in rows)
+    assert [(r["kernel"], r["arch"]) for r in rows] == [(k, a) for k in KERNELS for a in ("sm_90", "gfx942")]
+    for r in rows:
+        assert r["built"] and r["error"] is None, r
+        assert r["registers"] > 0 and r["shared_memory"] >= 0 and r["spills"] == 0, r
+
+
+def test_table_shows_each_build_and_the_error_of_a_failed_one(monkeypatch):
+    from graphopt.backends.triton import aot
+
+    def fake_build_all(archs, kernels, **kwargs):  # the builds themselves are the test above
+        return [aot.BuildResult("rms_norm", "gfx942", True, registers=20, shared_memory=32, spills=0),
+                aot.BuildResult("swiglu", "gfx942", False, error="CompilationError: out of LDS")]
+
+    monkeypatch.setattr(aot, "build_all", fake_build_all)
+    result = CliRunner().invoke(app, ["kernels", "--arch", "gfx942", "--kernel", "rms_norm,swiglu"])
+    assert result.exit_code == 1, result.output  # a failed build fails the command
+    assert "1 of 2 builds succeeded" in result.stdout
+    for text in ("graphopt.rms_norm", "graphopt.swiglu", "registers", "shared memory", "spills",
+                 "failed swiglu for gfx942: CompilationError: out of LDS"):
+        assert text in result.stdout, text
+
+
+def test_unknown_arch_is_one_line_naming_the_valid_ones():
+    result = CliRunner().invoke(app, ["kernels", "--arch", "sm_90,sm_70", "--json"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: unknown arch 'sm_70'; valid: sm_80, sm_90, gfx90a, gfx942"
+    assert result.stdout == ""
+
+
+def test_without_triton_it_names_the_extra(monkeypatch):
+    import graphopt.backends.triton as backend
+
+    monkeypatch.setattr(backend, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["kernels"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("error: graphopt kernels needs the Python package 'triton': "
+                                     "pip install 'graphopt[triton]'")
+
+
+def test_help_has_an_example_and_json():
+    result = CliRunner().invoke(app, ["kernels", "--help"])
+    assert result.exit_code == 0 and "Example" in result.stdout and "--json" in result.stdout
