@@ -23,6 +23,8 @@ __all__ = ["compile", "reports", "reset", "Options", "CompileReport", "GraphoptE
 
 def compile(model: Any, options: dict | None = None, **torch_compile_kwargs: Any) -> Any:
     """``torch.compile(model, backend="graphopt", options=options)`` with the options
-    checked now rather than at the first call."""
-    Options.parse(options)
+    checked now (keys, values, pass names, pass options) rather than at the first call."""
+    from graphopt.pass_manager import PassManager
+
+    PassManager.from_options(Options.parse(options))
     return torch.compile(model, backend="graphopt", options=options or None, **torch_compile_kwargs)

@@ -8,6 +8,8 @@ import sys
 import typer
 
 from graphopt.cli import debug_cmd, passes_cmd, run_cmd
+from graphopt.cli import export_cmd
+from graphopt.cli import fuzz_cmd
 from graphopt.cli import kernels_cmd
 from graphopt.cli.output import console, error_line, print_json, table
 from graphopt.errors import GraphoptError
@@ -22,6 +24,8 @@ app = typer.Typer(
 app.command("passes")(passes_cmd.passes)
 app.command("run")(run_cmd.run)
 app.command("debug")(debug_cmd.debug)
+app.command("export")(export_cmd.export)
+app.command("fuzz")(fuzz_cmd.fuzz)
 app.command("kernels")(kernels_cmd.kernels)
 
 

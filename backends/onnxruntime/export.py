@@ -1,0 +1,279 @@
+"""Optimized FX graph -> ONNX model whose graphopt ops are ONNX Runtime's fused ops.
+
+torch.onnx's exporter does the work: it re-traces the graph with torch.export, decomposes
+ATen ops it has no direct translation for, and translates graphopt ops with our table
+(``translations/``), so there is no hand-built protobuf here. Weights frozen by the frontend
+are buffers of the GraphModule and become initializers.
+
+Dynamic axes: a graph whose inputs have symbolic sizes (torch.export with dynamic_shapes,
+the ``graphopt export`` path) keeps those axes dynamic in the ONNX model; a graph with static
+shapes (a torch.compile graph) is exported static, which lets ORT plan memory once.
+Non-tensor inputs (a SymInt a dynamo graph takes) are baked in with the example values,
+and non-tensor outputs are remembered as constants, since an ONNX model passes tensors only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from graphopt.backends.onnxruntime import lowering
+from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
+from graphopt.backends.onnxruntime.translations import translation_table
+
+# Protobuf cannot serialize more than 2 GiB in one message: larger models keep weights outside.
+LARGE_MODEL_BYTES = 2**31 - 2**26
+ORT_FUSED_OPS = frozenset({
+    "SimplifiedLayerNormalization", "com.microsoft::SkipSimplifiedLayerNormalization", "LayerNormalization",
+    "com.microsoft::SkipLayerNormalization", "com.microsoft::BiasGelu", "com.microsoft::FastGelu",
+    "com.microsoft::Gelu", "com.microsoft::RotaryEmbedding", "com.microsoft::MultiHeadAttention",
+    "com.microsoft::GroupQueryAttention", "com.microsoft::MatMulNBits",
+})
+
+
+@dataclass
+class OnnxModel:
+    """An exported model (``onnx_ir.Model``) and what the caller needs to run it."""
+
+    model: Any  # onnx_ir.Model
+    input_names: list[str]
+    output_names: list[str]
+    # Position of each output of the graph: an ONNX output index, or ("const", value).
+    output_plan: list[Any] = field(default_factory=list)
+    cached_attention: int = 0  # attentions lowered to GroupQueryAttention with past/present
+
+    def op_histogram(self) -> dict[str, int]:
+        """``{"com.microsoft::GroupQueryAttention": 8, "MatMul": 57, ...}`` over the main graph."""
+        counts = Counter(f"{n.domain}::{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+                         for n in self.model.graph)
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def fused_op_counts(self) -> dict[str, int]:
+        return {k: v for k, v in self.op_histogram().items() if k in ORT_FUSED_OPS}
+
+    def initializer_bytes(self) -> int:
+        return sum(v.const_value.nbytes for v in self.model.graph.initializers.values() if v.const_value is not None)
+
+    def is_large(self) -> bool:
+        return self.initializer_bytes() > LARGE_MODEL_BYTES
+
+    def to_proto(self):
+        import onnx_ir as ir
+
+        return ir.serde.serialize_model(self.model)
+
+    def to_bytes(self) -> bytes:
+        if self.is_large():
+            raise OnnxExportError("model is over 2 GB; save it with external data and load it from the file")
+        return self.to_proto().SerializeToString()
+
+    def save(self, path: str | os.PathLike) -> list[str]:
+        """Write the model (weights in ``<name>.data`` beside it when over 2 GB); returns the files."""
+        import onnx_ir as ir
+
+        path = os.fspath(path)
+        if self.is_large():
+            data = os.path.basename(path) + ".data"
+            ir.save(self.model, path, external_data=data)
+            return [path, os.path.join(os.path.dirname(path), data)]
+        ir.save(self.model, path)
+        return [path]
+
+
+class _TensorsOnly(torch.nn.Module):
+    """The graph with its non-tensor inputs fixed and its non-tensor outputs left out."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        super().__init__()
+        self.gm = gm
+        self.fixed = {i: v for i, v in enumerate(example_inputs) if not isinstance(v, torch.Tensor)}
+        self.count = len(example_inputs)
+        # Filled while torch.export traces forward. A plain object, not a list attribute:
+        # non-strict export restores the module's own containers after tracing.
+        self.record = _Record()
+
+    def forward(self, *tensors: torch.Tensor):
+        it = iter(tensors)
+        args = [self.fixed[i] if i in self.fixed else next(it) for i in range(self.count)]
+        outputs = self.gm(*args)
+        flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+        plan, kept = [], []
+        for value in flat:
+            if isinstance(value, torch.Tensor):
+                plan.append(len(kept))
+                kept.append(value)
+            else:
+                plan.append(("const", int(value) if isinstance(value, torch.SymInt) else value))
+        self.record.plan = plan
+        return tuple(kept)
+
+
+class _Record:
+    plan: list[Any] = []
+
+
+def _dynamic_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    axis_names: Sequence[dict[int, str] | None] | None) -> tuple | None:
+    """A ``Dim`` for every input axis whose size is symbolic in the graph, else None.
+
+    One Dim per symbol, so axes that are one size in the graph (q's and k's sequence, the
+    batch of every input) stay one size in the export: an attention needs to know that
+    to use GroupQueryAttention. ``axis_names`` ({axis: name} per tensor input) names them
+    (``batch``, ``sequence``), which is what the ONNX model's dynamic axes are called.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    dims: dict[str, Any] = {}
+    specs, tensor_index = [], 0
+    for node, example in zip(placeholders, example_inputs):
+        if not isinstance(example, torch.Tensor):
+            continue
+        val = node.meta.get("val")
+        names = (axis_names[tensor_index] if axis_names and tensor_index < len(axis_names) else None) or {}
+        tensor_index += 1
+        spec = {}
+        if isinstance(val, torch.Tensor):
+            for axis, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt) and not size.node.is_constant():
+                    symbol = str(size.node.expr)
+                    name = names.get(axis) or (symbol if symbol.isidentifier() else f"dim_{len(dims)}")
+                    spec[axis] = dims.setdefault(name, torch.export.Dim(name))
+        specs.append(spec or None)
+    return (tuple(specs),) if dims else None
+
+
+def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: bool = True,
+                 opset: int | None = None, input_names: Sequence[str] | None = None,
+                 output_names: Sequence[str] | None = None,
+                 axis_names: Sequence[dict[int, str] | None] | None = None) -> OnnxModel:
+    """Export ``gm`` (an optimized ATen graph) to ONNX; raise UnsupportedOp / OnnxExportError."""
+    table = translation_table()
+    prepared, cached = lowering.prepare(gm, table)
+    wrapper = _TensorsOnly(prepared, example_inputs)
+    tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
+    dynamic_shapes = _dynamic_shapes(prepared, example_inputs, axis_names) if dynamic else None
+    names = [{a: d.__name__ for a, d in spec.items()} if spec else None for spec in dynamic_shapes[0]] \
+        if dynamic_shapes else []
+
+    def run_exporter(shapes):
+        with _quiet():
+            return torch.onnx.export(
+                wrapper, tensors, dynamo=True, custom_translation_table=table, dynamic_shapes=shapes,
+                opset_version=opset, input_names=list(input_names) if input_names else None,
+                output_names=list(output_names) if output_names else None, optimize=True, verbose=False,
+            )
+
+    try:
+        try:
+            program = run_exporter(dynamic_shapes)
+        except Exception as error:
+            if not dynamic_shapes or "Constraints violated" not in _chain_text(error):
+                raise
+            # A guard torch.export cannot prove over a named Dim's whole range: let each
+            # axis be dynamic on its own (sizes the graph ties together still share a symbol).
+            dynamic_shapes = (tuple({a: torch.export.Dim.DYNAMIC for a in spec} if spec else None
+                                    for spec in dynamic_shapes[0]),)
+            program = run_exporter(dynamic_shapes)
+    except Exception as error:  # the exporter wraps everything; find what the user needs to know
+        raise _explain(error) from error
+    model = program.model
+    _trim_unused_outputs(model)
+    if names:
+        _name_dynamic_axes(model, names)
+    return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
+                     list(wrapper.record.plan), cached)
+
+
+def _trim_unused_outputs(model) -> None:
+    """Drop trailing outputs nobody reads from ORT's fused ops.
+
+    The exporter gives a node every output its schema lists, optional ones included; ORT
+    then computes them (Skip*LayerNormalization's statistics, attention's present cache) and
+    cannot even infer the type of some (MultiHeadAttention's ``qk``). Middle outputs stay,
+    since ONNX outputs are positional.
+    """
+    graph_outputs = set(model.graph.outputs)
+    for node in model.graph:
+        if node.domain not in ("com.microsoft",) and node.op_type not in ("SimplifiedLayerNormalization",
+                                                                          "LayerNormalization"):
+            continue
+        keep = len(node.outputs)
+        while keep > 1 and not node.outputs[keep - 1].uses() and node.outputs[keep - 1] not in graph_outputs:
+            keep -= 1
+        if keep < len(node.outputs):
+            node.resize_outputs(keep)
+
+
+def _name_dynamic_axes(model, names: Sequence[dict[int, str] | None]) -> None:
+    """Call each dynamic axis by its name (``batch``) instead of the tracer's ``s26``."""
+    import onnx_ir as ir
+
+    renames = {}
+    for value, axes in zip(model.graph.inputs, names):
+        for axis, name in (axes or {}).items():
+            current = value.shape[axis] if value.shape is not None else None
+            if isinstance(current, ir.SymbolicDim) and current.value:
+                renames[current.value] = name
+    values = [*model.graph.inputs, *(out for node in model.graph for out in node.outputs)]
+    for value in values:
+        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames for d in value.shape):
+            value.shape = ir.Shape([renames.get(d.value, d.value) if isinstance(d, ir.SymbolicDim) else d
+                                    for d in value.shape])
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch.onnx prints progress and warnings meant for its own CLI; keep our output clean."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "torch.export", "torch._export")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _explain(error: BaseException) -> OnnxExportError:
+    """The most specific one-line reason in the exporter's chain of wrapped errors."""
+    chain, seen = [], set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    for exc in chain:
+        if isinstance(exc, OnnxExportError):
+            return exc
+    for exc in chain:
+        text = str(exc)
+        if "Error when translating node" in text and "target=" in text:
+            target = text.split("target=", 1)[1].split("]", 1)[0].split(")", 1)[0]
+            name = target.replace("torch.ops.", "").removesuffix(".default")
+            return UnsupportedOp(name, _first_line(chain[-1]))
+    return OnnxExportError(f"ONNX export failed: {_first_line(chain[-1])}")
+
+
+def _chain_text(error: BaseException) -> str:
+    texts, current, seen = [], error, set()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        texts.append(str(current))
+        current = current.__cause__ or current.__context__
+    return "\n".join(texts)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"[:300]

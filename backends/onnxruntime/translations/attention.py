@@ -1,0 +1,135 @@
+"""Attention -> ONNX Runtime's fused attention ops where their interface fits, else standard ops.
+
+``graphopt.attention(q, k, v, mask, scale, is_causal)`` has q [B, Hq, Sq, D] and k/v
+[B, Hkv, Skv, D] (BNSH, Hq a multiple of Hkv), a boolean or additive mask, and bottom-right
+causal alignment. Chosen at export time from static shapes:
+
+- no mask, Sq and Skv the same length (the same int or the same symbol), Dv == D:
+  ``com.microsoft.GroupQueryAttention`` (causal attribute = is_causal). GQA takes q/k/v as
+  [B, S, H*D]; its ``seqlens_k`` (= total length - 1 per row) and ``total_sequence_length``
+  are computed from k's shape, so the model keeps dynamic batch and sequence axes.
+- Hq == Hkv and either a mask (not causal) or no mask with causality irrelevant (not causal,
+  or Sq == 1): ``com.microsoft.MultiHeadAttention`` with q as [B, Sq, H*D] and k/v in their
+  BNSH layout; a mask becomes an additive ``attention_bias`` expanded to [.., .., Sq, Skv]
+  (ORT does not broadcast its query axis).
+- anything else (GQA heads with a mask or a query shorter than the keys, Dv != D,
+  causal chunks): MatMul / Softmax / MatMul in float32 with k/v heads expanded, the same
+  formula as the reference op.
+
+``graphopt_ort.gqa_with_past`` (made by the backend's lowering from ``attention(q,
+cat(past_k, k), cat(past_v, v))``, see ``lowering.py``) -> GroupQueryAttention with its
+past_key/past_value inputs and present outputs: decode with a KV cache in one op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx_ir as ir
+import torch
+
+from graphopt.backends.onnxruntime import lowering  # noqa: F401  (defines graphopt_ort::gqa_with_past)
+from graphopt.backends.onnxruntime.errors import UnsupportedOp
+from graphopt.backends.onnxruntime.translations._common import cast_to, const, dims_equal, ms, op, rank, static_dim
+
+graphopt = torch.ops.graphopt
+INT32, INT64, FLOAT = ir.DataType.INT32, ir.DataType.INT64, ir.DataType.FLOAT
+
+
+def _to_bsh(x):
+    """[B, H, S, D] -> [B, S, H*D], the layout ORT's attention ops take for the query."""
+    return op.Reshape(op.Transpose(x, perm=[0, 2, 1, 3]), [0, 0, -1])
+
+
+def _from_bsh(x, heads: int, head_dim: int):
+    return op.Transpose(op.Reshape(x, [0, 0, heads, head_dim]), perm=[0, 2, 1, 3])
+
+
+def _seq_len(x):
+    """Length of axis 2 of a BNSH tensor as an int32 [1]."""
+    return op.Cast(op.Shape(x, start=2, end=3), to=INT32)
+
+
+def _gqa(q, k, v, past_k, past_v, total, scale, causal: bool, hq: int, hkv: int, d: int):
+    """GroupQueryAttention over BNSH q/k/v (+ optional past); returns (out BNSH, present_k, present_v)."""
+    seqlens_k = op.Expand(op.Sub(total, const(1, INT32)), op.Shape(q, start=0, end=1))  # [B]: total - 1 per row
+    out, present_k, present_v, _qk = ms.GroupQueryAttention(
+        _to_bsh(q), _to_bsh(k), _to_bsh(v), past_k, past_v, seqlens_k, op.Reshape(total, []),
+        num_heads=hq, kv_num_heads=hkv, scale=scale, causal=int(causal),
+    )
+    return _from_bsh(out, hq, d), present_k, present_v
+
+
+def _additive_bias(mask, q, k):
+    """A boolean or additive mask -> float bias of shape [B|1, H|1, Sq, Skv] in q's dtype."""
+    if mask.dtype == ir.DataType.BOOL:
+        bias = op.Where(mask, const(0.0, q.dtype), const(float("-inf"), q.dtype))
+    else:
+        bias = cast_to(mask, q.dtype)
+    missing = 4 - (rank(mask) or 4)
+    if missing:
+        bias = op.Unsqueeze(bias, list(range(missing)))
+    target = op.Concat(const([1, 1], INT64), op.Shape(q, start=2, end=3), op.Shape(k, start=2, end=3), axis=0)
+    return op.Expand(bias, target)
+
+
+def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = False):
+    hq, hkv, d, dv = static_dim(q, 1), static_dim(k, 1), static_dim(q, -1), static_dim(v, -1)
+    if None in (hq, hkv, d, dv) or rank(q) != 4 or rank(k) != 4:
+        raise UnsupportedOp("graphopt.attention", "needs rank-4 q/k/v with static head counts and head sizes")
+    if hq % hkv:
+        raise UnsupportedOp("graphopt.attention", f"query heads {hq} are not a multiple of kv heads {hkv}")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    same_len = dims_equal(q.shape[2], k.shape[2])
+    one_query = static_dim(q, 2) == 1
+    if mask is None and d == dv and same_len:
+        out, _, _ = _gqa(q, k, v, None, None, _seq_len(k), scale, is_causal, hq, hkv, d)
+        return out
+    if hq == hkv and d == dv and (mask is None and (not is_causal or one_query) or mask is not None and not is_causal):
+        bias = _additive_bias(mask, q, k) if mask is not None else None
+        out, _, _, _ = ms.MultiHeadAttention(_to_bsh(q), k, v, None, None, bias, num_heads=hq, scale=scale)
+        return _from_bsh(out, hq, dv)
+    return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv)
+
+
+def _expand_heads(x, hq: int, hkv: int):
+    """[B, Hkv, S, D] -> [B, Hq, S, D], each kv head serving Hq/Hkv query heads in order."""
+    if hq == hkv:
+        return x
+    groups = const([1, 1, hq // hkv, 1, 1], INT64)
+    return op.Reshape(op.Expand(op.Unsqueeze(x, [2]), groups), [0, hq, -1, static_dim(x, -1)])
+
+
+def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, hkv: int):
+    out_dtype = q.dtype
+    k_full = cast_to(_expand_heads(k, hq, hkv), FLOAT)
+    v_full = cast_to(_expand_heads(v, hq, hkv), FLOAT)
+    scores = op.Mul(op.MatMul(cast_to(q, FLOAT), op.Transpose(k_full, perm=[0, 1, 3, 2])), const(scale, FLOAT))
+    neg_inf = const(float("-inf"), FLOAT)
+    if mask is not None:
+        scores = op.Where(mask, scores, neg_inf) if mask.dtype == ir.DataType.BOOL else op.Add(scores, cast_to(mask, FLOAT))
+    if is_causal:
+        q_len = op.Reshape(op.Shape(q, start=2, end=3), [])
+        kv_len = op.Reshape(op.Shape(k, start=2, end=3), [])
+        zero, one = const(0, INT64), const(1, INT64)
+        rows = op.Unsqueeze(op.Range(zero, q_len, one), [1])
+        cols = op.Range(zero, kv_len, one)
+        keep = op.LessOrEqual(cols, op.Add(rows, op.Sub(kv_len, q_len)))  # bottom-right aligned
+        scores = op.Where(keep, scores, neg_inf)
+    out = op.MatMul(op.Softmax(scores, axis=-1), v_full)
+    return cast_to(out, out_dtype)
+
+
+def gqa_with_past(q, k, v, past_k, past_v, scale: float | None = None):
+    hq, hkv, d = static_dim(q, 1), static_dim(k, 1), static_dim(q, -1)
+    if None in (hq, hkv, d) or static_dim(v, -1) != d:
+        raise UnsupportedOp("graphopt_ort.gqa_with_past", "needs static head counts and equal k/v head sizes")
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    total = op.Add(_seq_len(past_k), _seq_len(k))
+    return _gqa(q, k, v, past_k, past_v, total, scale, True, hq, hkv, d)
+
+
+TRANSLATIONS = {
+    graphopt.attention.default: attention,
+    torch.ops.graphopt_ort.gqa_with_past.default: gqa_with_past,
+}

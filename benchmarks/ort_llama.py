@@ -1,0 +1,271 @@
+"""Prefill latency and decode ms/token of a Llama on the CPU: eager, Inductor, ONNX Runtime
+three ways (plain torch.onnx.export, the same after ORT's transformer optimizer, graphopt).
+
+    python benchmarks/ort_llama.py                      # llama-small, 128-token prompt, 64 new tokens
+    python benchmarks/ort_llama.py --model llama-tiny --repeat 2 --profile
+
+Every variant runs the same greedy generation: a prefill of the prompt (batch 1), then one
+decode step per new token with the KV cache. Measurements are interleaved step by step (every
+variant's prefill, then every variant's first decode step, ...) so load from other processes
+hits them alike. The table shows medians (of 3 prefills per repeat, and of single decode
+steps) and their ratios to eager (< 1 is faster), the best prefill (the least disturbed
+one), the logits' error against eager, and whether the generated tokens equal eager's.
+ORT and torch get the same number of threads. ``--profile`` adds ORT's per-op-type time
+for the ORT variants (SessionOptions.enable_profiling), to see where each one spends time.
+A script, not a test: it takes minutes and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from graphopt import models
+from graphopt.backends.onnxruntime.generate import PrefillStep, DecodeStep, decode_path, export_kv_cache
+from graphopt.backends.onnxruntime.session import SessionRunner, create_session
+from graphopt.config import Options
+
+console = Console(stderr=True)
+
+
+class Variant:
+    """``prefill(ids) -> (logits, cache)`` and ``decode(token, cache) -> (logits, cache)``."""
+
+    def __init__(self, name: str, prefill: Callable, decode: Callable, setup_s: float, sessions=()) -> None:
+        self.name, self.prefill, self.decode, self.setup_s = name, prefill, decode, setup_s
+        self.sessions = list(sessions)
+        self.prefill_ms: list[float] = []
+        self.decode_ms: list[float] = []
+
+
+def torch_variant(name: str, model, setup_s: float = 0.0) -> Variant:
+    def prefill(ids):
+        out = model(ids)
+        return out[0], [t for kv in out[1] for t in kv]
+
+    def decode(token, cache):
+        pairs = tuple((cache[i], cache[i + 1]) for i in range(0, len(cache), 2))
+        out = model(token, pairs)
+        return out[0], [t for kv in out[1] for t in kv]
+
+    return Variant(name, prefill, decode, setup_s)
+
+
+def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, setup_s: float,
+                profile_dir: str | None = None) -> Variant:
+    def session(path, tag):
+        prefix = os.path.join(profile_dir, f"{name}-{tag}".replace(" ", "_")) if profile_dir else None
+        return create_session(path, "cpu", threads=threads, profile_prefix=prefix)
+
+    prefill_session, decode_session = session(prefill_path, "prefill"), session(decode_path_, "decode")
+    prefill_run, decode_run = SessionRunner(prefill_session), SessionRunner(decode_session)
+
+    def prefill(ids):
+        out = prefill_run(ids)
+        return out[0], out[1:]
+
+    def decode(token, cache):
+        out = decode_run(token, *cache)
+        return out[0], out[1:]
+
+    variant = Variant(name, prefill, decode, setup_s, [prefill_session, decode_session])
+    variant.paths = (prefill_path, decode_path_)
+    return variant
+
+
+def export_plain(model, example, folder: Path) -> tuple[str, str]:
+    """torch.onnx.export (dynamo) of the prefill and decode steps, no graphopt involved."""
+    dyn = torch.export.Dim.DYNAMIC
+    _, cache = model(example)
+    flat = [t for kv in cache for t in kv]
+    paths = (str(folder / "plain.onnx"), str(folder / "plain.decode.onnx"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(PrefillStep(model), (example,), dynamo=True, dynamic_shapes=({0: dyn, 1: dyn},),
+                          verbose=False).save(paths[0])
+        torch.onnx.export(DecodeStep(model), (example[:, -1:], *flat), dynamo=True, verbose=False,
+                          dynamic_shapes=({0: dyn}, tuple({0: dyn, 2: dyn} for _ in flat))).save(paths[1])
+    return paths
+
+
+def optimize_with_ort(paths: tuple[str, str], config, folder: Path) -> tuple[str, str]:
+    """onnxruntime.transformers.optimizer on the plain export. Every model type it offers for a
+    decoder (gpt2, qwen3, gpt_neox, bert) gives the same fusions here (the norms; attention
+    and rotary stay decomposed), so gpt2 it is."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    out = []
+    for path in paths:
+        optimized = optimize_model(path, model_type="gpt2", num_heads=config.num_heads, hidden_size=config.hidden_size)
+        target = str(folder / ("ortopt" + Path(path).name[len("plain"):]))
+        optimized.save_model_to_file(target)
+        out.append(target)
+    return out[0], out[1]
+
+
+def generate(variant: Variant, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy generation, untimed: (the prefill's logits, the new tokens)."""
+    with torch.no_grad():
+        logits, cache = variant.prefill(prompt)
+        first, tokens = logits, []
+        for _ in range(new_tokens):
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+            logits, cache = variant.decode(tokens[-1], cache)
+    return first, torch.cat(tokens, 1)
+
+
+def _timed(fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: int, reverse: bool,
+                     prefills: int = 3) -> None:
+    """One greedy generation per variant, step by step in turn: every variant's prefill, then
+    each decode step of every variant before the next step, so that load from other
+    processes lands on all of them alike (a variant-after-variant run lets it land on one)."""
+    order = variants[::-1] if reverse else variants
+    state = {}
+    with torch.no_grad():
+        for _ in range(prefills):  # a prefill is one sample against 64 decode steps: take more
+            for v in order:
+                state[v.name], ms = _timed(v.prefill, prompt)
+                v.prefill_ms.append(ms)
+        for _ in range(new_tokens):
+            for v in order:
+                logits, cache = state[v.name]
+                token = logits[:, -1].argmax(-1, keepdim=True)
+                state[v.name], ms = _timed(v.decode, token, cache)
+                v.decode_ms.append(ms)
+
+
+def profile_summary(session) -> tuple[float, list[tuple[str, float]]]:
+    """Kernel time of an ORT profile (ms) and the share of the top op types."""
+    path = session.end_profiling()
+    with open(path) as f:
+        events = json.load(f)
+    totals: collections.Counter = collections.Counter()
+    for e in events:
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
+            totals[e["args"].get("op_name", "?")] += e.get("dur", 0)
+    whole = sum(totals.values()) or 1
+    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(8)]
+
+
+def main() -> None:
+    folder = Path(tempfile.mkdtemp(prefix="graphopt-bench-"))
+    try:
+        run(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # four copies of the weights per ONNX variant
+
+
+def run(folder: Path) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-small")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (batch 1)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=5, help="interleaved measurements per variant")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--skip", action="append", default=[], help="leave a variant out (eager is always run)")
+    parser.add_argument("--profile", action="store_true", help="print ORT's per-op-type time for the ORT variants")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    model = models.build(args.model)
+    (prompt,) = models.example_inputs(model, batch=1, seq_len=args.prompt, seed=1)
+    (example,) = models.example_inputs(model, batch=2, seq_len=16)  # export: sizes of 1 would be fixed
+    variants = [torch_variant("eager", model)]
+
+    def setup(name, build):
+        if name in args.skip:
+            return
+        console.print(f"setting up {name} ...")
+        start = time.perf_counter()
+        variants.append(build(start))
+
+    setup("inductor", lambda start: _inductor(model, prompt, args.new_tokens, start))
+    plain: tuple[str, str] = ("", "")
+
+    def plain_variant(start):
+        nonlocal plain
+        plain = export_plain(model, example, folder)
+        return ort_variant("torch.onnx.export + ORT", *plain, args.threads, time.perf_counter() - start)
+
+    setup("plain", plain_variant)
+    if "plain" not in args.skip:
+        setup("ortopt", lambda start: ort_variant(
+            "+ ORT transformer optimizer", *optimize_with_ort(plain, model.config, folder), args.threads,
+            time.perf_counter() - start + variants[-1].setup_s))
+
+    def graphopt_variant(start):
+        path = folder / "graphopt.onnx"
+        export_kv_cache(model, example, path, config=Options(), validate_model=False)
+        return ort_variant("graphopt -> ORT", str(path), str(decode_path(path)), args.threads,
+                           time.perf_counter() - start)
+
+    setup("graphopt", graphopt_variant)
+
+    results = {}
+    for v in variants:  # warm up (ORT plans memory, Inductor compiles), and keep the outputs
+        results[v.name] = generate(v, prompt, args.new_tokens)
+    for r in range(args.repeat):
+        console.print(f"measuring {r + 1}/{args.repeat} ...")
+        measure_lockstep(variants, prompt, args.new_tokens, reverse=r % 2 == 1)
+    print_table(args, variants, results)
+    if args.profile:  # separate sessions: profiling slows every node down a little
+        for v in variants:
+            if not v.sessions:
+                continue
+            profiled = ort_variant(v.name, *v.paths, args.threads, 0.0, profile_dir=str(folder))
+            generate(profiled, prompt, args.new_tokens)
+            for session, tag in zip(profiled.sessions, ("prefill", f"{args.new_tokens} decode steps")):
+                total_ms, top = profile_summary(session)
+                shares = ", ".join(f"{op} {share:.0f}%" for op, share in top)
+                Console(width=200).print(f"[bold]{v.name}[/] {tag}: {total_ms:.0f} ms in kernels: {shares}")
+
+
+def _inductor(model, prompt, new_tokens, start) -> Variant:
+    compiled = torch.compile(model)
+    variant = torch_variant("inductor (torch.compile)", compiled)
+    generate(variant, prompt, new_tokens)  # compiles prefill and the (dynamic) decode step
+    variant.setup_s = time.perf_counter() - start
+    return variant
+
+
+def print_table(args, variants: list[Variant], results: dict) -> None:
+    eager = variants[0]
+    eager_prefill, eager_decode = statistics.median(eager.prefill_ms), statistics.median(eager.decode_ms)
+    ref_logits, ref_tokens = results["eager"]
+    table = Table(title=f"{args.model}: prefill of {args.prompt} tokens (batch 1), decode of {args.new_tokens} tokens, "
+                        f"{args.threads} threads, median of {args.repeat}", title_justify="left")
+    for col in ("variant", "prefill ms", "x eager", "best prefill ms", "decode ms/token", "x eager", "logits rel err",
+                "tokens = eager", "setup s"):
+        table.add_column(col, justify="left" if col in ("variant", "tokens = eager") else "right")
+    for v in variants:
+        prefill, decode = statistics.median(v.prefill_ms), statistics.median(v.decode_ms)
+        logits, tokens = results[v.name]
+        err = ((logits.double() - ref_logits.double()).norm() / ref_logits.double().norm()).item()
+        table.add_row(v.name, f"{prefill:.1f}", f"{prefill / eager_prefill:.2f}", f"{min(v.prefill_ms):.1f}",
+                      f"{decode:.2f}",
+                      f"{decode / eager_decode:.2f}", f"{err:.1e}", "yes" if torch.equal(tokens, ref_tokens) else "no",
+                      f"{v.setup_s:.0f}")
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()

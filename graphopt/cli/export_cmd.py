@@ -1,0 +1,156 @@
+"""``graphopt export MODEL -o model.onnx``: an optimized ONNX model with ORT's fused ops, proven
+against eager PyTorch."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import typer
+
+from graphopt.cli.common import MODEL_HELP, parse_options
+from graphopt.cli.output import console, print_json, status_console, table
+from graphopt.errors import GraphoptError
+
+# Stages the progress bar counts (torch.export, passes and onnx export run once per model).
+_STAGES = {False: 6, True: 10}
+
+
+def export(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    output: str = typer.Option(..., "--output", "-o", help="the .onnx file to write (with --kv-cache, also NAME.decode.onnx)"),
+    int4: bool = typer.Option(False, "--int4", help="quantize linear weights to INT4 (MatMulNBits)"),
+    kv_cache: bool = typer.Option(False, "--kv-cache", help="export prefill + decode-step models with KV-cache inputs/outputs"),
+    opset: int = typer.Option(None, "--opset", help="ONNX opset of the model (default: the exporter's, 18)"),
+    no_validate: bool = typer.Option(False, "--no-validate", help="skip running the file in ONNX Runtime against eager"),
+    force: bool = typer.Option(False, "--force", help="overwrite existing files"),
+    option: list[str] = typer.Option([], "--option", help="a graphopt option as key=value (repeatable), e.g. pipeline=..."),
+    batch: int = typer.Option(2, help="batch size of the example inputs (at least 2: torch.export fixes sizes of 1)"),
+    seq_len: int = typer.Option(16, "--seq-len", help="sequence length of the example inputs (at least 2)"),
+    seed: int = typer.Option(0, help="seed for weights and inputs"),
+    new_tokens: int = typer.Option(8, "--new-tokens", help="with --kv-cache: greedy tokens compared with eager"),
+    json_out: bool = typer.Option(False, "--json", help="print the result as JSON"),
+) -> None:
+    """Export MODEL to ONNX through graphopt's passes, then check the file in ONNX Runtime.
+
+    Prints the error against eager, the op histogram (ORT fused ops counted), file sizes and
+    the time of each stage. Writes to a temporary file and renames it, so an interrupted
+    export leaves no half-written model; never overwrites without --force.
+
+    Example: graphopt export llama-tiny -o llama.onnx --kv-cache
+    """
+    from graphopt.backends.onnxruntime.target import missing_package
+
+    missing = missing_package()
+    if missing:
+        raise GraphoptError(f"graphopt export needs the Python package {missing!r}: pip install 'graphopt[onnxruntime]'")
+    from graphopt.backends.onnxruntime import generate, tool
+
+    if batch < 2 or seq_len < 2:
+        raise GraphoptError("--batch and --seq-len must be at least 2: torch.export fixes axes of size 1")
+    config = parse_options(option)
+    tool.check_destination(output, force)
+    if kv_cache:
+        tool.check_destination(generate.decode_path(output), force)
+        tool.pipeline_options(config, int4)  # fail on --int4 before loading anything
+
+    with _progress(json_out, _STAGES[kv_cache]) as stage:
+        start = time.perf_counter()
+        with stage("load"):
+            loaded = _load(model, seed, batch, seq_len, kv_cache)
+        load_s = time.perf_counter() - start
+        common = dict(config=config, opset=opset, int4=int4, validate_model=not no_validate, force=force, stage=stage)
+        if kv_cache:
+            result = generate.export_kv_cache(loaded.module, loaded.example_inputs[0], output,
+                                              new_tokens=new_tokens, **common)
+        else:
+            result = tool.export_model(loaded.module, loaded.example_inputs, output,
+                                       input_names=_input_names(loaded), **common)
+    data = {"model": loaded.name, **result.to_dict()}
+    data["stages_s"] = {"load": load_s, **data["stages_s"]}
+    failed = _failures(data, config.tolerance, int4)
+    data["ok"] = not failed
+    if json_out:
+        print_json(data)
+    else:
+        _print_human(data, failed)
+    if failed:
+        raise typer.Exit(1)
+
+
+def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
+    from graphopt.cli.model_source import load_model
+
+    loaded = load_model(spec, seed=seed, batch=batch, seq_len=seq_len, single_output=not kv_cache)
+    if kv_cache and loaded.family != "llama":
+        raise GraphoptError(f"--kv-cache exports models with an explicit past_key_values argument (graphopt's built-in "
+                            f"Llama); {spec} is a {loaded.family} model: export it without --kv-cache")
+    return loaded
+
+
+def _input_names(loaded) -> list[str]:
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    return names[: len(loaded.example_inputs)]
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool, total: int):
+    """A rich progress bar on stderr, one step per stage; ``stage(name)`` marks one."""
+    import sys
+
+    if quiet or not sys.stderr.isatty():
+        yield lambda name: contextlib.nullcontext()
+        return
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description:<14}"), BarColumn(), TimeElapsedColumn(),
+                  console=status_console, transient=True) as progress:
+        task = progress.add_task("export", total=total)
+
+        @contextlib.contextmanager
+        def stage(name: str):
+            progress.update(task, description=name)
+            try:
+                yield
+            finally:
+                progress.advance(task)
+
+        yield stage
+
+
+def _failures(data: dict, tolerance: float, int4: bool) -> list[str]:
+    """Why the export does not match eager (INT4 differs by design: its error is shown, not judged)."""
+    failed = []
+    for f in data["files"]:
+        for row in f["validation"]:
+            if not int4 and not row["rel_err"] <= tolerance:
+                failed.append(f"{f['role']}: relative error {row['rel_err']:.3g} > {tolerance:g} on inputs {row['input_shapes']}")
+    generation = data.get("generation")
+    if generation and not generation["tokens_equal"] and not int4:
+        failed.append("greedy tokens from ONNX Runtime differ from eager")
+    return failed
+
+
+def _print_human(data: dict, failed: list[str]) -> None:
+    rows = [[f["role"], f["path"], f"{f['size_bytes'] / 2**20:.1f} MB", ", ".join(f["inputs"][:3]) +
+             (" ..." if len(f["inputs"]) > 3 else "")] for f in data["files"]]
+    console.print(table(f"graphopt export {data['model']}", ["model", "file", "size", "inputs"], rows))
+    checks = [[f["role"], " ".join(str(s) for s in r["input_shapes"][:1]), r["max_abs_err"], r["rel_err"]]
+              for f in data["files"] for r in f["validation"]]
+    if checks:
+        console.print(table("ONNX Runtime vs eager", ["model", "input shape", "max abs error", "relative error"], checks))
+    generation = data.get("generation")
+    if generation:
+        same = "equal" if generation["tokens_equal"] else "DIFFERENT"
+        console.print(f"greedy generation, {generation['new_tokens']} new tokens: ORT tokens {same} to eager's")
+    for f in data["files"]:
+        hist = f["op_histogram"]
+        fused = ", ".join(f"{op} x{n}" for op, n in f["fused_ops"].items()) or "none"
+        console.print(f"[bold]{f['role']}[/]: {sum(hist.values())} ONNX nodes; fused ORT ops: {fused}")
+        console.print("  top ops: " + ", ".join(f"{op} x{n}" for op, n in list(hist.items())[:10]))
+    console.print("time: " + ", ".join(f"{name} {s:.1f}s" for name, s in data["stages_s"].items()))
+    for fb in data["fallbacks"]:
+        console.print(f"[yellow]pass skipped[/] {fb['where']}: {fb['reason']}")
+    for reason in failed:
+        console.print(f"[red]validation failed[/] {reason}")

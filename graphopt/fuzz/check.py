@@ -1,0 +1,174 @@
+"""Differential check of one module: eager PyTorch vs graphopt on one target.
+
+Tolerances, by dtype, on the relative error ``||graphopt - eager|| / ||eager||`` of each
+output (``graphopt.numerics.compare``):
+
+    float32 1e-4, float16 1e-2, bfloat16 4e-2
+
+An output gets the loosest tolerance among its own dtype and every dtype the model computes
+in (a float32 model that rounds through float16 somewhere is only float16-accurate there).
+
+A fused op may round differently from the chain of ops it replaced (graphopt's norms and
+attention compute in float32 and round once), so an output past its tolerance is still
+accepted when graphopt is no farther from a float64 run of the same module than
+``ACCURACY_SLACK`` times eager's own distance from it: the case is ill-conditioned in that
+dtype, and graphopt is as right as eager is. A graph that raises is a crash; a target or
+pass that fell back is not a failure but is reported with its reason.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+import graphopt
+from graphopt.numerics import compare
+
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 4e-2}
+ACCURACY_SLACK = 2.0
+
+
+@dataclass
+class Outcome:
+    """What happened to one case on one target."""
+
+    target: str
+    status: str  # ok | mismatch | crash | invalid (the eager model itself failed or overflowed)
+    detail: str = ""
+    rel_err: float = 0.0  # worst output's relative error against eager
+    fallbacks: list[dict] = field(default_factory=list)
+    hits: dict[str, int] = field(default_factory=dict)  # pass -> matches, summed over graphs
+    near_misses: list = field(default_factory=list)  # graphopt.pass_manager.NearMiss
+    ran_on: list[str] = field(default_factory=list)  # the target each compiled graph ran on
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("mismatch", "crash")
+
+    def line(self) -> str:
+        text = f"{self.target}: {self.status}"
+        if self.detail:
+            text += f" ({self.detail})"
+        return text
+
+
+@dataclass
+class Reference:
+    """Eager outputs of a module, and the same module run in float64."""
+
+    eager: Any
+    float64: Any  # None when the module cannot run in float64 (it casts to a fixed dtype)
+    problem: str | None = None  # why the module cannot serve as a test (then it is skipped)
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".strip()[:300]
+
+
+def _float_inputs(inputs: Sequence[Any], dtype: torch.dtype) -> tuple:
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def reference(module: torch.nn.Module, inputs: Sequence[Any]) -> Reference:
+    try:
+        with torch.no_grad():
+            eager = module(*inputs)
+    except Exception as error:
+        return Reference(None, None, f"eager run failed: {first_line(error)}")
+    for leaf in pytree.tree_leaves(eager):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and not torch.isfinite(leaf).all():
+            return Reference(eager, None, "eager output is not finite")
+    try:
+        with torch.no_grad():
+            float64 = copy.deepcopy(module).double()(*_float_inputs(inputs, torch.float64))
+    except Exception:  # a model that casts to a fixed dtype cannot run widened; judge without it
+        float64 = None
+    return Reference(eager, float64)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def judge(got: Any, ref: Reference, dtypes: str | Sequence[str]) -> tuple[str, str, float]:
+    """(status, detail, worst relative error) of ``got`` against the reference; ``dtypes``:
+    the dtypes the model computes in."""
+    got_leaves, want_leaves = pytree.tree_leaves(got), pytree.tree_leaves(ref.eager)
+    wide_leaves = pytree.tree_leaves(ref.float64) if ref.float64 is not None else [None] * len(want_leaves)
+    if len(got_leaves) != len(want_leaves):
+        return "mismatch", f"{len(got_leaves)} outputs, eager has {len(want_leaves)}", float("inf")
+    dtypes = [dtypes] if isinstance(dtypes, str) else list(dtypes)
+    worst = 0.0
+    for i, (g, e, w) in enumerate(zip(got_leaves, want_leaves, wide_leaves)):
+        if not isinstance(e, torch.Tensor):
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != e.shape or g.dtype != e.dtype:
+            shape = (tuple(g.shape), g.dtype) if isinstance(g, torch.Tensor) else type(g).__name__
+            return "mismatch", f"output {i} is {shape}, eager gives {(tuple(e.shape), e.dtype)}", float("inf")
+        if not e.is_floating_point():
+            if not torch.equal(g, e):
+                return "mismatch", f"output {i} (integer) differs", float("inf")
+            continue
+        tol = max(TOLERANCE.get(d, 0.0) for d in [*dtypes, _dtype_name(e.dtype)])
+        rel = compare(g, e).rel
+        worst = max(worst, rel)
+        if rel <= tol:
+            continue
+        if w is None:
+            return "mismatch", f"output {i}: relative error {rel:.3g} vs eager > {tol:g}", worst
+        err_graphopt, err_eager = compare(g, w).rel, compare(e, w).rel
+        if err_graphopt <= max(tol, ACCURACY_SLACK * err_eager):
+            continue  # ill-conditioned in this dtype; graphopt is as close to float64 as eager
+        return "mismatch", (f"output {i}: relative error {rel:.3g} vs eager > {tol:g} (vs float64: "
+                            f"graphopt {err_graphopt:.3g}, eager {err_eager:.3g})"), worst
+    return "ok", "", worst
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """Fallback warnings are collected from the reports; keep them off the terminal."""
+    log = logging.getLogger("graphopt")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def check_module(module: torch.nn.Module, inputs: Sequence[Any], target: str, pipeline: Sequence[str] | None,
+                 dtypes: str | Sequence[str], ref: Reference | None = None) -> Outcome:
+    """Compile ``module`` with graphopt for ``target`` (falling back as a user's would),
+    run it on ``inputs`` and judge its outputs against eager (``dtypes``: see :func:`judge`).
+    Resets dynamo and graphopt's reports first, so the outcome holds this compile's alone."""
+    ref = ref or reference(module, inputs)
+    if ref.problem:
+        return Outcome(target, "invalid", ref.problem)
+    options: dict[str, Any] = {"target": target}
+    if pipeline:
+        options["pipeline"] = list(pipeline)
+    torch._dynamo.reset()
+    graphopt.reset()
+    outcome = Outcome(target, "ok")
+    try:
+        with quiet(), torch.no_grad():
+            compiled = torch.compile(module, backend="graphopt", options=options)
+            got = compiled(*inputs)
+    except Exception as error:
+        outcome.status, outcome.detail, got = "crash", first_line(error), None
+    for report in graphopt.reports():
+        outcome.fallbacks += [{"target": target, **f} for f in report.fallbacks]
+        outcome.near_misses += report.near_misses
+        outcome.ran_on.append(report.target)
+        for record in report.passes:
+            outcome.hits[record.name] = outcome.hits.get(record.name, 0) + record.matches
+    if outcome.status == "ok":
+        outcome.status, outcome.detail, outcome.rel_err = judge(got, ref, dtypes)
+    return outcome

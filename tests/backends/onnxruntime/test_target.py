@@ -1,0 +1,186 @@
+"""The onnxruntime target through torch.compile: real models match eager, the exported
+models hold ORT's fused ops, and every way it cannot run falls back with a reason."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import models
+from graphopt.backends.onnxruntime import export as export_module
+from graphopt.backends.onnxruntime import target as target_module
+from graphopt.config import Options
+from graphopt.pipeline import DEFAULT_PIPELINE
+from graphopt.registry import all_passes
+from graphopt.targets import resolve_target
+from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
+from tests.helpers import assert_matches_eager, eager
+
+# The default pipeline plus the rope and attention fusions (where registered): every
+# graphopt op a Llama can have, so every lowering runs.
+PIPELINE = list(DEFAULT_PIPELINE) + [p for p in ("fuse_rope", "fuse_attention")
+                                     if p in all_passes() and p not in DEFAULT_PIPELINE]
+ORT_OP_FOR = {  # graphopt op -> the ORT op(s) it must become
+    "graphopt.rms_norm": ("SimplifiedLayerNormalization",),
+    "graphopt.add_rms_norm": ("com.microsoft::SkipSimplifiedLayerNormalization",),
+    "graphopt.layer_norm": ("LayerNormalization",),
+    "graphopt.add_layer_norm": ("com.microsoft::SkipLayerNormalization",),
+    "graphopt.rope": ("com.microsoft::RotaryEmbedding",),
+    "graphopt.attention": ("com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"),
+}
+
+
+@pytest.fixture
+def exported(monkeypatch):
+    """The ONNX models the target exports during a test."""
+    models_seen = []
+    real = export_module.export_graph
+
+    def spy(*args, **kwargs):
+        models_seen.append(real(*args, **kwargs))
+        return models_seen[-1]
+
+    monkeypatch.setattr(export_module, "export_graph", spy)
+    return models_seen
+
+
+def compile_on_ort(module, *inputs, **options):
+    torch._dynamo.reset()
+    graphopt.reset()
+    opts = {"target": "onnxruntime", "provider": "cpu", "fallback": "error", "pipeline": PIPELINE, **options}
+    compiled = torch.compile(module, backend="graphopt", options=opts)
+    with torch.no_grad():
+        return compiled(*inputs), graphopt.reports()
+
+
+def assert_lowered_to_fused_ops(report, model) -> None:
+    histogram = model.op_histogram()
+    for op, ort_ops in ORT_OP_FOR.items():
+        assert sum(histogram.get(o, 0) for o in ort_ops) == report.op_counts.get(op, 0), (op, histogram)
+
+
+def test_llama_tiny_matches_eager_with_fused_ort_ops(exported):
+    model = models.build("llama-tiny")
+    (ids,) = models.example_inputs(model, batch=2, seq_len=12)
+    out, (report,) = compile_on_ort(model, ids)
+    assert_matches_eager(out, eager(model, ids), rel=1e-4)  # logits and the KV cache
+    assert report.target == "onnxruntime" and not report.fallbacks
+    assert report.op_counts["graphopt.rms_norm"] >= 1 and report.op_counts["graphopt.add_rms_norm"] >= 1
+    (onnx_model,) = exported
+    assert_lowered_to_fused_ops(report, onnx_model)
+    assert onnx_model.fused_op_counts()["com.microsoft::SkipSimplifiedLayerNormalization"] == 4
+
+
+def test_bert_tiny_matches_eager(exported):
+    model = models.build("bert-tiny")
+    ids, mask = models.example_inputs(model, batch=2, seq_len=10)
+    mask[1, 7:] = 0  # padding in the second row
+    out, (report,) = compile_on_ort(model, ids, mask)
+    assert_matches_eager(out, eager(model, ids, mask), rel=1e-4)
+    assert report.target == "onnxruntime" and not report.fallbacks
+    assert_lowered_to_fused_ops(report, exported[0])
+
+
+def test_transformers_llama_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    from graphopt.cli.model_source import OutputOnly
+
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = OutputOnly(transformers.LlamaForCausalLM(config).eval(), "logits", causal=True)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    out, reports = compile_on_ort(model, ids)
+    assert_matches_eager(out, eager(model, ids), rel=1e-4)
+    assert {r.target for r in reports} == {"onnxruntime"} and not any(r.fallbacks for r in reports)
+
+
+def test_dynamic_shapes_export_one_model_per_signature():
+    model = models.build("llama-tiny")
+    torch._dynamo.reset()
+    graphopt.reset()
+    compiled = torch.compile(model, backend="graphopt", dynamic=True,
+                             options={"target": "onnxruntime", "fallback": "error"})
+    for batch, seq in ((1, 5), (2, 9)):
+        (ids,) = models.example_inputs(model, batch=batch, seq_len=seq, seed=seq)
+        with torch.no_grad():
+            assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)
+    assert {r.target for r in graphopt.reports()} == {"onnxruntime"}
+
+
+# --- what cannot run falls back, and says why ------------------------------------------
+
+
+@torch.library.custom_op("graphopt::ort_test_untranslated", mutates_args=())
+def untranslated(x: torch.Tensor) -> torch.Tensor:
+    """A graphopt op no translation module knows (stands for an op added before its lowering)."""
+    return x * 3
+
+
+untranslated.register_fake(lambda x: torch.empty_like(x))
+
+
+@torch.library.custom_op("graphopt_test::ort_mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    """A third-party op the ONNX exporter has no function for."""
+    return x.sin()
+
+
+mystery.register_fake(lambda x: torch.empty_like(x))
+
+
+@pytest.mark.parametrize("op, name", [(torch.ops.graphopt.ort_test_untranslated, "graphopt.ort_test_untranslated"),
+                                      (torch.ops.graphopt_test.ort_mystery, "graphopt_test.ort_mystery")])
+def test_op_without_translation_falls_back_naming_it(op, name, caplog):
+    class UsesOp(torch.nn.Module):
+        def forward(self, x):
+            return op(x + 1) * 2
+
+    x = torch.randn(3, 8)
+    out, (report,) = compile_on_ort(UsesOp(), x, fallback="eager")
+    assert_matches_eager(out, eager(UsesOp(), x), rel=1e-6)
+    assert report.target == "eager"
+    (fallback,) = report.fallbacks
+    assert fallback["where"] == "target:onnxruntime" and f"op {name} cannot be exported" in fallback["reason"]
+    assert name in caplog.text
+
+
+def test_provider_not_installed_says_which_package():
+    reason = target_module.onnxruntime.unavailable_reason(Options(target="onnxruntime", provider="cuda"))
+    assert reason == "provider cuda needs onnxruntime-gpu: pip install onnxruntime-gpu"
+    x = torch.randn(2, 4)
+    out, (report,) = compile_on_ort(torch.nn.Tanh(), x, provider="cuda", fallback="eager")
+    assert torch.equal(out, torch.tanh(x))
+    assert "provider cuda needs onnxruntime-gpu" in report.fallbacks[0]["reason"]
+
+
+@pytest.mark.parametrize("package", ["onnxruntime", "onnxscript"])
+def test_missing_package_is_named_and_auto_moves_on(monkeypatch, package):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == package else real(name, *a))
+    reason = target_module.onnxruntime.unavailable_reason(Options())
+    assert reason == f"needs the Python package {package!r}: pip install 'graphopt[onnxruntime]'"
+    monkeypatch.setattr("graphopt.targets.detect_hardware", lambda: "cpu")
+    target, skipped = resolve_target(Options(target="auto"))
+    assert target.name == "eager" and skipped == [f"onnxruntime: {reason}"]
+
+
+def test_auto_on_a_cpu_machine_runs_onnxruntime(monkeypatch):
+    monkeypatch.setattr("graphopt.targets.detect_hardware", lambda: "cpu")
+    x = torch.randn(4, 16)
+    out, (report,) = compile_on_ort(torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.GELU()), x, target="auto")
+    assert report.target == "onnxruntime"
+    assert out.shape == (4, 8)
+
+
+def test_model_over_the_protobuf_limit_loads_from_external_data(monkeypatch, exported):
+    monkeypatch.setattr(export_module, "LARGE_MODEL_BYTES", 100)  # the Linear's 512 bytes count as large
+    module = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh())
+    x = torch.randn(4, 16)
+    out, (report,) = compile_on_ort(module, x)
+    assert report.target == "onnxruntime" and exported[0].is_large()
+    assert_matches_eager(out, eager(module, x), rel=1e-5)
