@@ -17,26 +17,33 @@ A script, not a test: it takes minutes and asserts nothing.
 
 from __future__ import annotations
 
-import argparse
-import collections
-import json
 import os
-import shutil
-import statistics
-import tempfile
-import time
-import warnings
-from pathlib import Path
-from typing import Callable
 
-import torch
-from rich.console import Console
-from rich.table import Table
+# Before torch loads OpenMP: threads that busy-wait after each parallel region take the
+# cores from the next variant (ORT's pools likewise, see session.create_session). Measured
+# interleaved with spinning, eager llama-small prefill went from 263 to 1166 ms; neither
+# runtime is measured fairly while the other spins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from graphopt import models
-from graphopt.backends.onnxruntime.generate import PrefillStep, DecodeStep, decode_path, export_kv_cache
-from graphopt.backends.onnxruntime.session import SessionRunner, create_session
-from graphopt.config import Options
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from graphopt import models  # noqa: E402
+from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
+from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
+from graphopt.config import Options  # noqa: E402
 
 console = Console(stderr=True)
 
