@@ -57,11 +57,16 @@ def int4_summary(source: Any) -> dict[str, Any] | None:
     stats = [r["stats"] for r in _records(source) if r.get("name") == PASS_NAME and r.get("stats")]
     if not stats:
         return None
-    layers = [layer for s in stats for layer in s.get("layers", [])]
+    return summarize_layers([layer for s in stats for layer in s.get("layers", [])])
+
+
+def summarize_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Byte totals over distinct weights (a weight two GEMMs share counts once), errors, and
+    the layer list: the pass's stats for one graph, and the report's total over graphs."""
     distinct = [layer for layer in layers if not layer.get("shared")]
-    before = sum(s.get("weight_bytes_before", 0) for s in stats)
-    after = sum(s.get("weight_bytes_after", 0) for s in stats)
-    fp32 = sum(s.get("weight_bytes_fp32", 0) for s in stats)
+    before = sum(layer["bytes_before"] for layer in distinct)
+    fp32 = sum(layer["bytes_fp32"] for layer in distinct)
+    after = sum(layer["bytes_after"] for layer in distinct)
     errors = [layer["rel_error"] for layer in distinct]
     return {
         "quantized_weights": len(distinct),

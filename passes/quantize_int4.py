@@ -36,6 +36,7 @@ from graphopt import ir, quantization
 from graphopt.ops.quant import GROUP_SIZES
 from graphopt.linears import GEMM_OPS, match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
+from graphopt.quant_report import summarize_layers
 from graphopt.quantization import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
 from graphopt.rewrite import PatternPass, expect, val
 
@@ -167,23 +168,9 @@ def _layer_record(name: str, w: torch.Tensor, q: Int4Weight, options: Int4Option
 
 
 def summarize(layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pass stats from the per-layer records: byte totals over distinct weights, errors, the list."""
-    distinct = [layer for layer in layers if not layer["shared"]]
-    before = sum(layer["bytes_before"] for layer in distinct)
-    fp32 = sum(layer["bytes_fp32"] for layer in distinct)
-    after = sum(layer["bytes_after"] for layer in distinct)
-    errors = [layer["rel_error"] for layer in distinct]
+    """Pass stats from the per-layer records (private keys dropped): see summarize_layers."""
     public = [{k: v for k, v in layer.items() if not k.startswith("_") and k != "source"} for layer in layers]
-    return {
-        "quantized_weights": len(distinct),
-        "weight_bytes_before": before,
-        "weight_bytes_after": after,
-        "weight_bytes_fp32": fp32,
-        "bytes_ratio_fp32": after / fp32 if fp32 else 0.0,
-        "max_rel_error": max(errors, default=0.0),
-        "mean_rel_error": sum(errors) / len(errors) if errors else 0.0,
-        "layers": public,
-    }
+    return summarize_layers(public)
 
 
 def _drop_unused_attrs(gm: fx.GraphModule, targets: set[str]) -> None:
