@@ -114,11 +114,13 @@ class _TensorsOnly(torch.nn.Module):
             else:
                 plan.append(("const", int(value) if isinstance(value, torch.SymInt) else value))
         self.record.plan = plan
+        self.record.dtypes = [t.dtype for t in kept]
         return tuple(kept)
 
 
 class _Record:
     plan: list[Any] = []
+    dtypes: list[torch.dtype] = []
 
 
 def _dynamic_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -186,6 +188,7 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
         raise _explain(error) from error
     model = program.model
     _trim_unused_outputs(model)
+    _match_output_dtypes(model, wrapper.record.dtypes)
     if names:
         _name_dynamic_axes(model, names)
     return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
@@ -210,6 +213,28 @@ def _trim_unused_outputs(model) -> None:
             keep -= 1
         if keep < len(node.outputs):
             node.resize_outputs(keep)
+
+
+def _match_output_dtypes(model, dtypes: Sequence[torch.dtype]) -> None:
+    """Cast each graph output whose ONNX type differs from what the FX graph returns.
+
+    Some of the exporter's ATen translations compute in a wider type than eager returns
+    (``native_layer_norm``'s mean and rstd of a float16 input come back float32; found by
+    ``graphopt fuzz``). The caller was promised eager's dtypes, so the model casts back.
+    """
+    import onnx_ir as ir
+    from onnx_ir.tensor_adapters import from_torch_dtype
+
+    for index, (value, dtype) in enumerate(zip(list(model.graph.outputs), dtypes)):
+        want = from_torch_dtype(dtype)
+        if value.dtype is None or value.dtype == want:
+            continue
+        cast = ir.node("Cast", inputs=[value], attributes={"to": want}, name=f"graphopt_output_cast_{index}")
+        model.graph.append(cast)
+        out = cast.outputs[0]
+        out.dtype, out.shape = want, value.shape
+        out.name, value.name = value.name, f"{value.name}_before_cast"
+        model.graph.outputs[index] = out
 
 
 def _name_dynamic_axes(model, names: Sequence[dict[int, str] | None]) -> None:
