@@ -94,23 +94,25 @@ def _print_human(result: dict, reports) -> None:
 
 # Decode loops by resolved target. graphopt.generate runs its static-cache step on targets that
 # execute graph nodes in order (graphopt.decode_step.IN_PLACE_TARGETS). Any other target plugs
-# in here as "module:function": a function with graphopt.generate's signature, (model, input_ids,
-# max_new_tokens, *, options) -> a result with sequences, compiles, ms_per_token (see
-# graphopt.generate.GenerateResult). For ONNX Runtime that function exports the prefill and
-# decode models and runs greedy_generate_ort on them.
-GENERATE_LOOPS: dict[str, str] = {}
+# in here as "module:function": a function with graphopt.generate_with_reference's signature,
+# (model, input_ids, max_new_tokens, *, options) -> (result, eager reference), both
+# graphopt.generate.GenerateResult, decoded in lockstep so both see the same machine noise.
+GENERATE_LOOPS: dict[str, str] = {
+    "onnxruntime": "graphopt.backends.onnxruntime.decoder:generate_with_reference",
+}
 
 
 def _generate_loop(config) -> tuple[str, object]:
     """(target name, the decode function for it)."""
     from graphopt.decode_step import IN_PLACE_TARGETS
     from graphopt.errors import GraphoptError, TargetUnavailable
+    from graphopt.generate import generate_with_reference
     from graphopt.targets import resolve_target
 
     try:
         name = resolve_target(config)[0].name
     except TargetUnavailable:
-        return "eager", graphopt.generate  # graphopt.generate reports the fallback itself
+        return "eager", generate_with_reference  # graphopt.generate reports the fallback itself
     where = GENERATE_LOOPS.get(name)
     if where is not None:
         module, attr = where.split(":")
@@ -119,10 +121,8 @@ def _generate_loop(config) -> tuple[str, object]:
         except (ImportError, AttributeError) as error:
             raise GraphoptError(f"--generate on target {name} needs {where}, which does not load ({error}); "
                                 "use --target eager") from None
-    if name in IN_PLACE_TARGETS:
-        return name, graphopt.generate
-    if config.target == "auto":  # auto picked it: graphopt.generate decodes on eager and says so
-        return "eager", graphopt.generate
+    if name in IN_PLACE_TARGETS or config.target == "auto":  # auto: graphopt.generate falls back and says so
+        return (name if name in IN_PLACE_TARGETS else "eager"), generate_with_reference
     raise GraphoptError(f"--generate does not run on target {name} yet (no decode loop registered in "
                         "graphopt/cli/run_cmd.py GENERATE_LOOPS); use --target eager")
 
@@ -130,7 +130,6 @@ def _generate_loop(config) -> tuple[str, object]:
 def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens: int, json_out: bool) -> None:
     from graphopt.cli.model_source import load_model
     from graphopt.errors import GraphoptError
-    from graphopt.generate import eager_generate, generate_with_reference
 
     if tokens < 1:
         raise GraphoptError(f"--generate needs at least 1 token, got {tokens}")
@@ -141,14 +140,8 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
     input_ids = loaded.example_inputs[0]
     target, loop = _generate_loop(config)
     graphopt.reset()
-    if loop is graphopt.generate:  # step for step in lockstep with eager: both see the same machine noise
-        with step(f"generating {tokens} tokens with graphopt and eagerly", json_out):
-            out, ref = generate_with_reference(loaded.module, input_ids, tokens, options=config.to_dict())
-    else:
-        with step(f"generating {tokens} tokens with graphopt", json_out):
-            out = loop(loaded.module, input_ids, tokens, options=config.to_dict())
-        with step(f"generating {tokens} tokens eagerly", json_out):
-            ref = eager_generate(loaded.module, input_ids, tokens)
+    with step(f"generating {tokens} tokens with graphopt ({target}) and eagerly", json_out):
+        out, ref = loop(loaded.module, input_ids, tokens, options=config.to_dict())
     steps = list(out.ms_per_token)
     early, late = _median(steps[7:24]), _median(steps[-16:])
     extra = {k: getattr(out, k, None) for k in ("prefill_compiles", "prefill_ms", "compile_s", "fallback", "cuda_graphs")}

@@ -10,6 +10,7 @@ from graphopt.cli import run_cmd
 from graphopt.cli.main import app
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
+from graphopt.generate import generate_with_reference
 
 
 def test_generate_json_block():
@@ -30,13 +31,16 @@ def test_generate_needs_a_causal_lm():
 
 
 def fake_loop(model, input_ids, max_new_tokens, *, options=None):
-    """What a target's own decode loop (greedy_generate_ort) is called like."""
+    """What a target's own decode loop is called like (it returns (result, eager reference))."""
     return ("fake", options["target"])
 
 
 def test_dispatch_on_the_resolved_target(monkeypatch):
-    assert run_cmd._generate_loop(Options.parse({"target": "eager"})) == ("eager", graphopt.generate)
-    assert run_cmd._generate_loop(Options.parse({"target": "auto"}))[1] is graphopt.generate
+    from graphopt.backends.onnxruntime import decoder
+
+    assert run_cmd._generate_loop(Options.parse({"target": "eager"})) == ("eager", generate_with_reference)
+    assert run_cmd._generate_loop(Options.parse({"target": "onnxruntime"})) == \
+        ("onnxruntime", decoder.generate_with_reference)
     monkeypatch.setitem(run_cmd.GENERATE_LOOPS, "eager", "tests.generate.test_cli_generate:fake_loop")
     name, loop = run_cmd._generate_loop(Options.parse({"target": "eager"}))
     assert name == "eager" and loop(None, None, 1, options={"target": "eager"}) == ("fake", "eager")
@@ -52,6 +56,63 @@ def test_a_target_without_a_decode_loop_says_so(monkeypatch):
         name = "onnxruntime"
 
     monkeypatch.setattr(targets, "resolve_target", lambda config: (Other(), []))
+    monkeypatch.delitem(run_cmd.GENERATE_LOOPS, "onnxruntime")
     with pytest.raises(GraphoptError, match="does not run on target onnxruntime yet"):
         run_cmd._generate_loop(Options.parse({"target": "onnxruntime"}))
-    assert run_cmd._generate_loop(Options.parse({"target": "auto"})) == ("eager", graphopt.generate)
+    assert run_cmd._generate_loop(Options.parse({"target": "auto"})) == ("eager", generate_with_reference)
+
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def test_generate_on_onnxruntime_matches_eager_tokens():
+    """The exported prefill + decode-step models (GQA with past/present) decode the same
+    greedy tokens as eager; export time is compile time, not decode time."""
+    result = CliRunner().invoke(app, ["run", "llama-tiny", "--generate", "8", "--seq-len", "5",
+                                      "--target", "onnxruntime", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    block = data["generate"]
+    assert data["target"] == "onnxruntime" and block["fallback"] is None
+    assert block["tokens_match_eager"] is True and block["compiles"] == 1
+    assert len(block["ms_per_token"]) == 7 and block["compile_s"] > 0
+
+
+def test_generate_on_onnxruntime_batch_of_two():
+    import torch
+
+    from graphopt import models
+    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
+
+    model = models.build("llama-tiny").eval()
+    ids = models.example_inputs("llama-tiny", batch=2, seq_len=3, seed=3)[0]
+    out, ref = ort_generate(model, ids, 5, options={"target": "onnxruntime"})
+    assert out.fallback is None and out.sequences.shape == (2, 8)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_generate_on_onnxruntime_refuses_a_model_without_an_explicit_cache():
+    import torch
+
+    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
+
+    with pytest.raises(GraphoptError, match="like graphopt's built-in Llama.*use --target eager"):
+        ort_generate(torch.nn.Linear(4, 4), torch.zeros(1, 3, dtype=torch.long), 2, options={"target": "onnxruntime"})
+
+
+def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
+    from graphopt import models
+    from graphopt.backends.onnxruntime import generate as ort_files
+    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("exporter exploded")
+
+    monkeypatch.setattr(ort_files, "export_kv_cache", broken)
+    model = models.build("llama-tiny").eval()
+    ids = models.example_inputs("llama-tiny", batch=1, seq_len=4, seed=0)[0]
+    out, ref = ort_generate(model, ids, 3, options={"target": "onnxruntime"})
+    assert out.fallback == "RuntimeError: exporter exploded"
+    assert out.sequences.equal(ref.sequences)
+    with pytest.raises(GraphoptError, match="exporter exploded"):
+        ort_generate(model, ids, 3, options={"target": "onnxruntime", "fallback": "error"})
