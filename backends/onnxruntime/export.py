@@ -63,6 +63,30 @@ class OnnxModel:
     def initializer_bytes(self) -> int:
         return sum(v.const_value.nbytes for v in self.model.graph.initializers.values() if v.const_value is not None)
 
+    def int4_weights(self) -> dict | None:
+        """What MatMulNBits made of the linear weights (None when there are none):
+        ``{"matmulnbits", "bytes", "fp32_bytes", "ratio", "float_matmuls"}``, ``bytes`` being
+        the initializers the MatMulNBits nodes read (packed codes, scales, zero points) and
+        ``float_matmuls`` the MatMul / Gemm nodes still reading a constant weight."""
+        nodes = list(self.model.graph)
+        quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
+        if not quantized:
+            return None
+        constants: dict[str, int] = {}
+        fp32_bytes = 0
+        for node in quantized:
+            attrs = {name: attr.value for name, attr in node.attributes.items()}
+            fp32_bytes += attrs["K"] * attrs["N"] * 4
+            for value in node.inputs[1:4]:
+                source = _constant_behind(value)
+                if source is not None:
+                    constants[source.name] = source.const_value.nbytes
+        float_matmuls = sum(1 for n in nodes if n.op_type in ("MatMul", "Gemm") and len(n.inputs) > 1
+                            and _constant_behind(n.inputs[1]) is not None)
+        stored = sum(constants.values())
+        return {"matmulnbits": len(quantized), "bytes": stored, "fp32_bytes": fp32_bytes,
+                "ratio": stored / fp32_bytes, "float_matmuls": float_matmuls}
+
     def is_large(self) -> bool:
         return self.initializer_bytes() > LARGE_MODEL_BYTES
 
@@ -87,6 +111,18 @@ class OnnxModel:
             return [path, os.path.join(os.path.dirname(path), data)]
         ir.save(self.model, path)
         return [path]
+
+
+def _constant_behind(value):
+    """The initializer ``value`` is, or is a Reshape / Transpose / Cast of; else None."""
+    while value is not None:
+        if value.const_value is not None:
+            return value
+        producer = value.producer()
+        if producer is None or producer.op_type not in ("Reshape", "Transpose", "Cast") or not producer.inputs:
+            return None
+        value = producer.inputs[0]
+    return None
 
 
 class _TensorsOnly(torch.nn.Module):

@@ -45,7 +45,8 @@ class ExportedFile:
     graphopt_ops: dict[str, int]
     inputs: list[str]
     outputs: list[str]
-    validation: list[dict] = field(default_factory=list)  # one {shape, max_abs_err, rel_err} per input set
+    validation: list[dict] = field(default_factory=list)  # one {shape, max_abs_err, rel_err, top1} per input set
+    int4: dict | None = None  # OnnxModel.int4_weights(): MatMulNBits count and weight bytes
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -207,15 +208,24 @@ def validate(path: str, module: torch.nn.Module, input_sets: Sequence[Sequence[t
             shapes = [list(t.shape) for t in inputs]
             raise OnnxExportError(f"{path} fails in ONNX Runtime on inputs {shapes}: {_first_line(error)}") from error
         diff = compare(actual, expected)
-        rows.append({"input_shapes": [list(t.shape) for t in inputs], "max_abs_err": diff.max_abs, "rel_err": diff.rel})
+        rows.append({"input_shapes": [list(t.shape) for t in inputs], "max_abs_err": diff.max_abs, "rel_err": diff.rel,
+                     "top1_agreement": top1_agreement(actual[0], expected[0])})
     return rows
+
+
+def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """Share of positions whose argmax over the last axis (the vocabulary, for logits) agrees;
+    None for an output that is not a float tensor with such an axis."""
+    if not expected.is_floating_point() or expected.dim() < 2 or expected.shape[-1] < 2:
+        return None
+    return (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
 
 
 def describe(role: str, model: OnnxModel, files: list[str], graphopt_ops: dict[str, int]) -> ExportedFile:
     return ExportedFile(role=role, path=files[-1], files=files, size_bytes=sum(os.path.getsize(f) for f in files),
                         op_histogram=model.op_histogram(), fused_ops=model.fused_op_counts(),
                         graphopt_ops={k: v for k, v in graphopt_ops.items() if k.startswith("graphopt.")},
-                        inputs=model.input_names, outputs=model.output_names)
+                        inputs=model.input_names, outputs=model.output_names, int4=model.int4_weights())
 
 
 def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
@@ -225,7 +235,7 @@ def flatten_outputs(outputs: Any) -> list[torch.Tensor]:
 def export_model(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], path: str | os.PathLike, *,
                  config: Options, opset: int | None = None, int4: bool = False, validate_model: bool = True,
                  force: bool = False, input_names: Sequence[str] | None = None,
-                 axis_names: Sequence[dict[int, str] | None] | None = None, stage: StageFn | None = None) -> ExportResult:
+                 output_names: Sequence[str] | None = None, axis_names: Sequence[dict[int, str] | None] | None = None, stage: StageFn | None = None) -> ExportResult:
     """Export ``module`` (called as ``module(*example_inputs)``) to ``path`` and validate it.
 
     ``axis_names``: {axis: name} per input for its dynamic axes; by default the first two axes
@@ -239,7 +249,7 @@ def export_model(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     names = list(input_names or [f"input_{i}" for i in range(len(example_inputs))])
     axes = list(axis_names or [{0: "batch", 1: "sequence"} if t.dim() >= 2 else {0: "batch"} for t in example_inputs])
     model, result = optimize_and_export(module, example_inputs, config, timer, axis_names=axes, input_names=names,
-                                        opset=opset)
+                                        output_names=output_names, opset=opset)
     with timer("save"):
         files = save_atomically(model, destination)
     exported = describe("model", model, files, ir.op_counts(result.gm))

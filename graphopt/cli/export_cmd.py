@@ -66,7 +66,7 @@ def export(
                                               new_tokens=new_tokens, **common)
         else:
             result = tool.export_model(loaded.module, loaded.example_inputs, output,
-                                       input_names=_input_names(loaded), **common)
+                                       input_names=_input_names(loaded), output_names=_output_names(loaded), **common)
     data = {"model": loaded.name, **result.to_dict()}
     data["stages_s"] = {"load": load_s, **data["stages_s"]}
     failed = _failures(data, config.tolerance, int4)
@@ -92,6 +92,12 @@ def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
 def _input_names(loaded) -> list[str]:
     names = ["input_ids", "attention_mask", "token_type_ids"]
     return names[: len(loaded.example_inputs)]
+
+
+def _output_names(loaded) -> list[str] | None:
+    """What the model's single output is called in Hugging Face terms (else the exporter's name)."""
+    return {"llama": ["logits"], "hf-causal-lm": ["logits"], "bert": ["last_hidden_state"],
+            "hf-encoder": ["last_hidden_state"]}.get(loaded.family)
 
 
 @contextlib.contextmanager
@@ -136,10 +142,18 @@ def _print_human(data: dict, failed: list[str]) -> None:
     rows = [[f["role"], f["path"], f"{f['size_bytes'] / 2**20:.1f} MB", ", ".join(f["inputs"][:3]) +
              (" ..." if len(f["inputs"]) > 3 else "")] for f in data["files"]]
     console.print(table(f"graphopt export {data['model']}", ["model", "file", "size", "inputs"], rows))
-    checks = [[f["role"], " ".join(str(s) for s in r["input_shapes"][:1]), r["max_abs_err"], r["rel_err"]]
+    checks = [[f["role"], " ".join(str(s) for s in r["input_shapes"][:1]), r["max_abs_err"], r["rel_err"],
+               "-" if r.get("top1_agreement") is None else f"{r['top1_agreement']:.1%}"]
               for f in data["files"] for r in f["validation"]]
     if checks:
-        console.print(table("ONNX Runtime vs eager", ["model", "input shape", "max abs error", "relative error"], checks))
+        console.print(table("ONNX Runtime vs eager", ["model", "input shape", "max abs error", "relative error",
+                                                      "top-1 = eager"], checks))
+    for f in data["files"]:
+        q = f.get("int4")
+        if q:
+            console.print(f"[bold]{f['role']}[/] INT4: {q['matmulnbits']} MatMulNBits, their weights "
+                          f"{q['bytes'] / 2**20:.1f} MB vs {q['fp32_bytes'] / 2**20:.1f} MB in fp32 ({q['ratio']:.3f}x); "
+                          f"{q['float_matmuls']} MatMul left with float weights")
     generation = data.get("generation")
     if generation:
         same = "equal" if generation["tokens_equal"] else "DIFFERENT"

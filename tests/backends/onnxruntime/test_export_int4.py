@@ -1,0 +1,76 @@
+"""``graphopt export --int4`` against ONNX Runtime's own MatMulNBitsQuantizer on the same model.
+
+The fp32 file graphopt exports is quantized by ORT's quantizer (symmetric round-to-nearest,
+the same block size); graphopt's --int4 file is the same export with quantize_int4 before
+the lowering. Both run in ORT on the same inputs against the eager fp32 model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from graphopt.backends.onnxruntime.tool import resample_like, top1_agreement
+from graphopt.cli.main import app
+from graphopt.cli.model_source import load_model
+from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+nbits = pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer")
+
+LINEARS = 2 * 4 + 1  # llama-tiny: per layer q/k/v (merged), o, gate/up (merged), down; and lm_head
+
+
+def export(path, *extra) -> dict:
+    result = CliRunner().invoke(app, ["export", "llama-tiny", "-o", str(path), "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("int4")
+    fp32, int4 = folder / "fp32.onnx", folder / "int4.onnx"
+    return export(fp32), fp32, export(int4, "--int4"), int4  # quantize_int4 default: groups of 32
+
+
+def run(model_or_path, inputs) -> torch.Tensor:
+    source = model_or_path if isinstance(model_or_path, str) else model_or_path.SerializeToString()
+    session = ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: inputs.numpy()})[0])
+
+
+def test_every_linear_becomes_matmulnbits_at_under_016x_the_fp32_bytes(exported):
+    _, _, data, _ = exported
+    (model,) = data["files"]
+    q = model["int4"]
+    assert q["matmulnbits"] == LINEARS and q["float_matmuls"] == 0
+    assert model["op_histogram"].get("MatMul", 0) == 0
+    assert q["ratio"] <= 0.16 and q["bytes"] > 0.12 * q["fp32_bytes"]  # 4 bits + a 16-bit scale per 32
+    assert all(0 < row["top1_agreement"] <= 1 for row in model["validation"])
+
+
+def test_graphopt_int4_logits_are_closer_to_fp32_than_ort_quantizer_on_the_same_export(exported):
+    fp32_data, fp32_path, _, int4_path = exported
+    assert fp32_data["files"][0]["int4"] is None
+    ort_model = onnx.load(str(fp32_path))
+    quantizer = nbits.MatMulNBitsQuantizer(ort_model, block_size=32, is_symmetric=True)
+    quantizer.process()
+    theirs_model = quantizer.model.model
+    assert sum(n.op_type == "MatMulNBits" for n in theirs_model.graph.node) == LINEARS
+
+    loaded = load_model("llama-tiny", seed=0, batch=4, seq_len=32, single_output=True)
+    ours_err, theirs_err = [], []
+    for inputs in (loaded.example_inputs[0], resample_like(loaded.example_inputs, seed=5)[0]):
+        with torch.no_grad():
+            reference = loaded.module(inputs)
+        ours, theirs = run(str(int4_path), inputs), run(theirs_model, inputs)
+        ours_err.append(rel_err(ours, reference))
+        theirs_err.append(rel_err(theirs, reference))
+        print(f"\nlogits rel error graphopt {ours_err[-1]:.4f} vs ORT quantizer {theirs_err[-1]:.4f}; top-1 "
+              f"{top1_agreement(ours, reference):.3f} vs {top1_agreement(theirs, reference):.3f}")
+    assert sum(ours_err) < sum(theirs_err)
