@@ -1,16 +1,22 @@
 """Prefill latency and decode ms/token of a Llama on the CPU: eager, Inductor, ONNX Runtime
-three ways (plain torch.onnx.export, the same after ORT's transformer optimizer, graphopt).
+three ways in fp32 (plain torch.onnx.export, the same after ORT's transformer optimizer,
+graphopt) and two ways in INT4 (ORT's own recipe: the optimizer, then MatMulNBitsQuantizer;
+graphopt's export with --int4).
 
     python benchmarks/ort_llama.py                      # llama-small, 128-token prompt, 64 new tokens
     python benchmarks/ort_llama.py --model llama-tiny --repeat 2 --profile
+    python benchmarks/ort_llama.py --skip inductor --skip int4
 
 Every variant runs the same greedy generation: a prefill of the prompt (batch 1), then one
 decode step per new token with the KV cache. Measurements are interleaved step by step (every
 variant's prefill, then every variant's first decode step, ...) so load from other processes
 hits them alike. The table shows medians (of 3 prefills per repeat, and of single decode
 steps) and their ratios to eager (< 1 is faster), the best prefill (the least disturbed
-one), the logits' error against eager, and whether the generated tokens equal eager's.
-ORT and torch get the same number of threads. ``--profile`` adds ORT's per-op-type time
+one), the logits' error against eager and the share of prompt positions whose top-1 token
+equals eager's, and whether the generated tokens equal eager's (INT4 is not expected to).
+"weight MB/token" is what one decode step reads (embedding tables left out: a step gathers
+one row); the floor rows divide it by the read bandwidth measured in the same run, the
+fastest any runtime could decode. ORT and torch get the same number of threads. ``--profile`` adds ORT's per-op-type time
 for the ORT variants (SessionOptions.enable_profiling), to see where each one spends time.
 A script, not a test: it takes minutes and asserts nothing.
 """
@@ -19,11 +25,14 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads OpenMP: threads that busy-wait after each parallel region take the
-# cores from the next variant (ORT's pools likewise, see session.create_session). Measured
-# interleaved with spinning, eager llama-small prefill went from 263 to 1166 ms; neither
-# runtime is measured fairly while the other spins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy decides how fairly interleaved runtimes are measured. ORT's sessions
+# never spin (session.create_session). torch keeps OpenMP's default unless the caller sets
+# one: a short spin after each parallel region, then sleep. That default is what an eager
+# user gets, and it is eager's best here: PASSIVE (sleep at once) made eager llama-small
+# decode 33 ms/token instead of 25 (the wake-up after every small op), and ACTIVE (spin on)
+# took the cores from the ORT variants (decode 35 instead of 21 ms/token).
+if os.environ.get("OMP_WAIT_POLICY"):
+    print(f"note: OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} from the environment", flush=True)
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
@@ -44,6 +53,7 @@ from graphopt import models  # noqa: E402
 from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.config import Options  # noqa: E402
+from weight_traffic import onnx_decode_bytes, read_bandwidth, torch_decode_bytes  # noqa: E402
 
 console = Console(stderr=True)
 
@@ -54,6 +64,7 @@ class Variant:
     def __init__(self, name: str, prefill: Callable, decode: Callable, setup_s: float, sessions=()) -> None:
         self.name, self.prefill, self.decode, self.setup_s = name, prefill, decode, setup_s
         self.sessions = list(sessions)
+        self.weight_bytes = 0  # read by one decode step
         self.prefill_ms: list[float] = []
         self.decode_ms: list[float] = []
 
@@ -68,7 +79,9 @@ def torch_variant(name: str, model, setup_s: float = 0.0) -> Variant:
         out = model(token, pairs)
         return out[0], [t for kv in out[1] for t in kv]
 
-    return Variant(name, prefill, decode, setup_s)
+    variant = Variant(name, prefill, decode, setup_s)
+    variant.weight_bytes = torch_decode_bytes(model)
+    return variant
 
 
 def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, setup_s: float,
@@ -90,6 +103,7 @@ def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, s
 
     variant = Variant(name, prefill, decode, setup_s, [prefill_session, decode_session])
     variant.paths = (prefill_path, decode_path_)
+    variant.weight_bytes = onnx_decode_bytes(decode_path_)
     return variant
 
 
@@ -119,6 +133,27 @@ def optimize_with_ort(paths: tuple[str, str], config, folder: Path) -> tuple[str
         optimized = optimize_model(path, model_type="gpt2", num_heads=config.num_heads, hidden_size=config.hidden_size)
         target = str(folder / ("ortopt" + Path(path).name[len("plain"):]))
         optimized.save_model_to_file(target)
+        out.append(target)
+    return out[0], out[1]
+
+
+def quantize_with_ort(paths: tuple[str, str], block_size: int, folder: Path) -> tuple[str, str]:
+    """ONNX Runtime's INT4 recipe on the optimized export: MatMulNBitsQuantizer, symmetric
+    round-to-nearest with ``block_size``, and the accuracy level of its fast int8-compute CPU
+    kernels (graphopt's MatMulNBits use the same level, so the two race on equal kernels)."""
+    import logging
+
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnx_ir"):  # INFO line per node
+        logging.getLogger(name).setLevel(logging.WARNING)
+    out = []
+    for path in paths:
+        quantizer = MatMulNBitsQuantizer(onnx.load(path), block_size=block_size, is_symmetric=True, accuracy_level=4)
+        quantizer.process()
+        target = str(folder / ("ortint4" + Path(path).name[len("ortopt"):]))
+        quantizer.model.save_model_to_file(target)
         out.append(target)
     return out[0], out[1]
 
@@ -188,9 +223,14 @@ def run(folder: Path) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5, help="interleaved measurements per variant")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--skip", action="append", default=[], help="leave a variant out (eager is always run)")
+    parser.add_argument("--skip", action="append", default=[],
+                        help="leave a variant out: inductor, plain, ortopt, graphopt, ortint4, graphoptint4, "
+                             "int4 (both INT4 ones); eager is always run")
+    parser.add_argument("--group-size", type=int, default=32, help="INT4 block size, the same for both INT4 variants")
     parser.add_argument("--profile", action="store_true", help="print ORT's per-op-type time for the ORT variants")
     args = parser.parse_args()
+    if "int4" in args.skip:
+        args.skip += ["ortint4", "graphoptint4"]
     torch.set_num_threads(args.threads)
 
     model = models.build(args.model)
@@ -214,18 +254,34 @@ def run(folder: Path) -> None:
         return ort_variant("torch.onnx.export + ORT", *plain, args.threads, time.perf_counter() - start)
 
     setup("plain", plain_variant)
+    optimized: tuple[str, str] = ("", "")
+
+    def ortopt_variant(start):
+        nonlocal optimized
+        optimized = optimize_with_ort(plain, model.config, folder)
+        return ort_variant("+ ORT transformer optimizer", *optimized, args.threads,
+                           time.perf_counter() - start + variants[-1].setup_s)
+
     if "plain" not in args.skip:
-        setup("ortopt", lambda start: ort_variant(
-            "+ ORT transformer optimizer", *optimize_with_ort(plain, model.config, folder), args.threads,
-            time.perf_counter() - start + variants[-1].setup_s))
+        setup("ortopt", ortopt_variant)
 
-    def graphopt_variant(start):
-        path = folder / "graphopt.onnx"
-        export_kv_cache(model, example, path, config=Options(), validate_model=False)
-        return ort_variant("graphopt -> ORT", str(path), str(decode_path(path)), args.threads,
-                           time.perf_counter() - start)
+    def graphopt_variant(name, file, int4):
+        def build(start):
+            path = folder / file
+            export_kv_cache(model, example, path, config=Options(pass_options={"quantize_int4": {
+                "group_size": args.group_size}}), int4=int4, validate_model=False)
+            return ort_variant(name, str(path), str(decode_path(path)), args.threads, time.perf_counter() - start)
+        return build
 
-    setup("graphopt", graphopt_variant)
+    setup("graphopt", graphopt_variant("graphopt -> ORT", "graphopt.onnx", int4=False))
+    if optimized[0]:
+        setup("ortint4", lambda start: ort_variant(
+            f"ORT INT4 recipe (optimizer + MatMulNBitsQuantizer g{args.group_size})",
+            *quantize_with_ort(optimized, args.group_size, folder), args.threads, time.perf_counter() - start))
+    setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size})", "graphopt_int4.onnx",
+                                           int4=True))
+    console.print("measuring memory bandwidth ...")
+    bandwidth = read_bandwidth()
 
     results = {}
     for v in variants:  # warm up (ORT plans memory, Inductor compiles), and keep the outputs
@@ -233,7 +289,7 @@ def run(folder: Path) -> None:
     for r in range(args.repeat):
         console.print(f"measuring {r + 1}/{args.repeat} ...")
         measure_lockstep(variants, prompt, args.new_tokens, reverse=r % 2 == 1)
-    print_table(args, variants, results)
+    print_table(args, variants, results, bandwidth)
     if args.profile:  # separate sessions: profiling slows every node down a little
         for v in variants:
             if not v.sessions:
@@ -254,24 +310,33 @@ def _inductor(model, prompt, new_tokens, start) -> Variant:
     return variant
 
 
-def print_table(args, variants: list[Variant], results: dict) -> None:
+def print_table(args, variants: list[Variant], results: dict, bandwidth: float) -> None:
     eager = variants[0]
     eager_prefill, eager_decode = statistics.median(eager.prefill_ms), statistics.median(eager.decode_ms)
     ref_logits, ref_tokens = results["eager"]
     table = Table(title=f"{args.model}: prefill of {args.prompt} tokens (batch 1), decode of {args.new_tokens} tokens, "
-                        f"{args.threads} threads, median of {args.repeat}", title_justify="left")
-    for col in ("variant", "prefill ms", "x eager", "best prefill ms", "decode ms/token", "x eager", "logits rel err",
-                "tokens = eager", "setup s"):
+                        f"{args.threads} threads, median of {args.repeat}; read bandwidth {bandwidth / 1e9:.1f} GB/s",
+                  title_justify="left")
+    for col in ("variant", "prefill ms", "x eager", "best prefill ms", "decode ms/token", "x eager",
+                "weight MB/token", "logits rel err", "top-1 = eager", "tokens = eager", "setup s"):
         table.add_column(col, justify="left" if col in ("variant", "tokens = eager") else "right")
     for v in variants:
         prefill, decode = statistics.median(v.prefill_ms), statistics.median(v.decode_ms)
         logits, tokens = results[v.name]
         err = ((logits.double() - ref_logits.double()).norm() / ref_logits.double().norm()).item()
+        top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item()
         table.add_row(v.name, f"{prefill:.1f}", f"{prefill / eager_prefill:.2f}", f"{min(v.prefill_ms):.1f}",
-                      f"{decode:.2f}",
-                      f"{decode / eager_decode:.2f}", f"{err:.1e}", "yes" if torch.equal(tokens, ref_tokens) else "no",
-                      f"{v.setup_s:.0f}")
-    Console(width=200).print(table)
+                      f"{decode:.2f}", f"{decode / eager_decode:.2f}", f"{v.weight_bytes / 2**20:.1f}", f"{err:.1e}",
+                      f"{top1:.1%}", "yes" if torch.equal(tokens, ref_tokens) else "no", f"{v.setup_s:.0f}")
+    floors = {"fp32": eager.weight_bytes}
+    int4 = [v for v in variants if "INT4" in v.name]
+    if int4:
+        floors["INT4"] = min(v.weight_bytes for v in int4)
+    for kind, nbytes in floors.items():
+        floor_ms = nbytes / bandwidth * 1e3
+        table.add_row(f"floor: {kind} weights / bandwidth", "", "", "", f"{floor_ms:.2f}",
+                      f"{floor_ms / eager_decode:.2f}", f"{nbytes / 2**20:.1f}", "", "", "", "")
+    Console(width=220).print(table)
 
 
 if __name__ == "__main__":
