@@ -1,0 +1,60 @@
+"""One small call per graphopt op, straight to the op (independent of the passes): what each
+target's tests lower and compare with the op's reference implementation.
+
+``OP_CASES[name] = (graphopt op, function of the tensors, tensors)``. Shapes are not powers
+of two; values are seeded, random and never zero (a zero would hide a dropped multiply).
+"""
+
+from __future__ import annotations
+
+import torch
+
+g = torch.ops.graphopt
+_GEN = torch.Generator().manual_seed(0)
+
+
+def nonzero_random(*shape: int) -> torch.Tensor:
+    """Seeded random fp32 with no element near zero."""
+    t = torch.randn(*shape, generator=_GEN)
+    return torch.where(t.abs() < 1e-3, torch.full_like(t, 1e-3), t)
+
+
+def int4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, scales) of a symmetric group-32 INT4 weight [n, k]."""
+    from graphopt.quantization import quantize_int4
+
+    q = quantize_int4(nonzero_random(n, k) * 0.05, 32, True, "float32", "rtn")
+    return q.packed, q.scales
+
+
+def _kv_cache_update(cache, new, pos):
+    g.kv_cache_update(cache, new, pos)
+    return cache * 1  # the op mutates its cache: return what it wrote
+
+
+_r = nonzero_random
+OP_CASES = {
+    "rms_norm": ("graphopt.rms_norm", lambda x, w: g.rms_norm(x, w, 1e-6), (_r(2, 3, 40), _r(40))),
+    "add_rms_norm": ("graphopt.add_rms_norm", lambda x, r, w: g.add_rms_norm(x, r, w, 1e-6, 1.0),
+                     (_r(2, 3, 40), _r(2, 3, 40), _r(40))),
+    "softmax_rms_norm": ("graphopt.softmax_rms_norm", lambda x, w: g.softmax_rms_norm(x, w, 1e-6),
+                         (_r(3, 24), _r(24))),
+    "layer_norm": ("graphopt.layer_norm", lambda x, w, b: g.layer_norm(x, w, b, 1e-5),
+                   (_r(2, 3, 40), _r(40), _r(40))),
+    "add_layer_norm": ("graphopt.add_layer_norm", lambda x, r, w, b: g.add_layer_norm(x, r, w, b, 1e-5),
+                       (_r(2, 3, 40), _r(2, 3, 40), _r(40), _r(40))),
+    "swiglu": ("graphopt.swiglu", lambda gu: g.swiglu(gu), (_r(2, 3, 48),)),
+    "geglu": ("graphopt.geglu", lambda gu: g.geglu(gu, "tanh"), (_r(2, 3, 48),)),
+    "bias_gelu": ("graphopt.bias_gelu", lambda x, b: g.bias_gelu(x, b), (_r(2, 3, 40), _r(40))),
+    "rope": ("graphopt.rope", lambda x, c, s: g.rope(x, c, s), (_r(1, 3, 5, 24), _r(1, 5, 16), _r(1, 5, 16))),
+    "attention_prefill": ("graphopt.attention", lambda q, k, v: g.attention(q, k, v, None, None, True),
+                          (_r(1, 4, 5, 16), _r(1, 2, 7, 16), _r(1, 2, 7, 16))),
+    "attention_decode": ("graphopt.attention", lambda q, k, v: g.attention(q, k, v),
+                         (_r(2, 4, 1, 16), _r(2, 2, 7, 16), _r(2, 2, 7, 16))),
+    "qkv_proj": ("graphopt.qkv_proj", lambda x, w, b: g.qkv_proj(x, w, b, [16, 8, 8]),
+                 (_r(2, 5, 24), _r(32, 24), _r(32))),
+    "kv_cache_update": ("graphopt.kv_cache_update", _kv_cache_update,
+                        (_r(1, 2, 9, 16), _r(1, 2, 3, 16), torch.tensor(4))),
+    "int4_linear": ("graphopt.int4_linear", lambda x, packed, scales: g.int4_linear(x, packed, scales, None, 32),
+                    (_r(3, 64), *int4_weight(24, 64))),
+}
