@@ -6,14 +6,14 @@ past/present), opens one session for each, and decodes in lockstep with the eage
 (``graphopt.generate.drive``), so both see the same machine noise and the tokens can be
 compared one for one. Export time is reported as compile time, never as decode time.
 
-The models follow the explicit-cache convention of graphopt's built-in Llama
-(``model(input_ids, past_key_values=None) -> (logits, ((k, v), ...))``); anything else gets
-one error line that names what works.
+Two kinds of model decode here (``generate.cache_steps``): graphopt's built-in Llama with its
+explicit cache (``model(input_ids, past_key_values=None) -> (logits, ((k, v), ...))``) and
+transformers causal LMs with their DynamicCache; anything else gets one error line that names
+what works.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import tempfile
 import time
@@ -29,13 +29,9 @@ log = logging.getLogger("graphopt.onnxruntime")
 
 
 def _check_model(model: nn.Module) -> None:
-    forward = getattr(model, "forward", None)
-    if forward is None or "past_key_values" not in inspect.signature(forward).parameters \
-            or type(model).__module__.startswith("transformers."):
-        raise GraphoptError(
-            f"--generate on onnxruntime exports a model whose forward(input_ids, past_key_values=None) returns "
-            f"(logits, ((k, v), ...)) like graphopt's built-in Llama; {type(model).__name__} is not one: "
-            "use --target eager")
+    from graphopt.backends.onnxruntime.generate import cache_steps
+
+    cache_steps(model, otherwise="use --target eager")  # raises for a model without a cache to export
 
 
 def _export_prompt(input_ids: Tensor) -> Tensor:

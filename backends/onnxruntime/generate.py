@@ -1,11 +1,14 @@
 """Greedy generation on ONNX Runtime with an exported KV cache: a prefill model and a decode model.
 
-The models follow the explicit-cache convention of graphopt's reference Llama:
-``model(input_ids, past_key_values=None) -> (logits, cache)``, the cache a tuple per layer of
-``(k, v)`` [B, Hkv, S, D] grown by concatenation on axis 2. Two ONNX files come out:
+Two kinds of model export, through one flat interface (``cache_steps`` picks the modules):
+graphopt's reference Llama, ``model(input_ids, past_key_values=None) -> (logits, cache)``
+with the cache a tuple per layer of ``(k, v)`` [B, Hkv, S, D] grown by concatenation on axis
+2 (``PrefillStep``, ``DecodeStep``), and transformers causal LMs, whose DynamicCache grows the
+same way (``hf_steps.HFCacheStep``). Two ONNX files come out:
 
-- prefill (``model.onnx``): ``input_ids`` [batch, sequence] -> ``logits``, ``present_key_i``,
-  ``present_value_i``; attention is causal over the prompt (GroupQueryAttention).
+- prefill (``model.onnx``): ``input_ids`` [batch, sequence] -> ``logits`` (a transformers
+  model's: the last position only), ``present_key_i``, ``present_value_i``; attention is
+  causal over the prompt (GroupQueryAttention).
 - decode (``model.decode.onnx``): ``input_ids`` [batch, 1] and ``past_key_i`` /
   ``past_value_i`` [batch, Hkv, past_sequence, D] -> ``logits`` and the presents, one token
   longer; attention over ``cat(past, new)`` is GroupQueryAttention with past/present.
@@ -18,6 +21,7 @@ lower to GroupQueryAttention. The cost is the weights twice on disk and in memor
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,6 +31,7 @@ from torch import Tensor, nn
 
 from graphopt.backends.onnxruntime import tool
 from graphopt.config import Options
+from graphopt.errors import GraphoptError
 
 
 class PrefillStep(nn.Module):
@@ -54,6 +59,24 @@ class DecodeStep(nn.Module):
         return (logits, *[t for kv in new_cache for t in kv])
 
 
+def cache_steps(model: nn.Module, otherwise: str = "export it without --kv-cache") -> tuple[nn.Module, nn.Module]:
+    """(prefill, decode step) modules with the flat cache interface for ``model``; for a model
+    without a cache to export, GraphoptError in one line that ends with ``otherwise``."""
+    from graphopt.backends.onnxruntime.hf_steps import HFCacheStep, is_causal_lm
+
+    if is_causal_lm(model):
+        return HFCacheStep(model), HFCacheStep(model)
+    forward = getattr(model, "forward", None)
+    # A transformers model that does not generate (an encoder) may still name a past_key_values.
+    if forward is not None and "past_key_values" in inspect.signature(forward).parameters \
+            and not type(model).__module__.startswith("transformers."):
+        return PrefillStep(model), DecodeStep(model)
+    raise GraphoptError(
+        f"{type(model).__name__} has no KV cache to export: graphopt exports transformers causal LMs and modules whose "
+        "forward(input_ids, past_key_values=None) returns (logits, ((k, v), ...)) like graphopt's built-in Llama; "
+        f"{otherwise}")
+
+
 def decode_path(path: str | os.PathLike) -> Path:
     """``model.onnx`` -> ``model.decode.onnx``."""
     path = Path(path)
@@ -77,23 +100,23 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     prefill_path, step_path = tool.check_destination(path, force), tool.check_destination(decode_path(path), force)
     config = tool.pipeline_options(config, int4)
     timer = tool.Timer(stage)
+    prefill_step, decode_step = cache_steps(model)
     with torch.no_grad():
-        _, cache = model(prompt)
-    layers = len(cache)
+        flat_cache = list(prefill_step(prompt)[1:])
+    layers = len(flat_cache) // 2
     present = _cache_names(layers, "present")
     cache_axes = {0: "batch", 2: "past_sequence"}
 
     prefill, prefill_result = tool.optimize_and_export(
-        PrefillStep(model), (prompt,), config, timer, axis_names=[{0: "batch", 1: "sequence"}],
+        prefill_step, (prompt,), config, timer, axis_names=[{0: "batch", 1: "sequence"}],
         input_names=["input_ids"], output_names=["logits", *present], opset=opset)
     with timer("save"):
         prefill_files = tool.save_atomically(prefill, prefill_path)
 
     token = prompt[:, -1:]
-    flat_cache = [t for kv in cache for t in kv]
     dims = tool.dims_for([{0: "batch"}, *[cache_axes] * len(flat_cache)])
     step, step_result = tool.optimize_and_export(
-        DecodeStep(model), (token, *flat_cache), config, timer,
+        decode_step, (token, *flat_cache), config, timer,
         axis_names=[{0: "batch"}, *[cache_axes] * len(flat_cache)],
         input_names=["input_ids", *_cache_names(layers, "past")], output_names=["logits", *present],
         opset=opset, dynamic_shapes=(dims[0], tuple(dims[1:])))
@@ -103,12 +126,14 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     files = [tool.describe("prefill", prefill, prefill_files, ir.op_counts(prefill_result.gm)),
              tool.describe("decode", step, step_files, ir.op_counts(step_result.gm))]
     extra: dict[str, Any] = {"cached_attention": step.cached_attention}
+    if getattr(decode_step, "mask_kept", None):
+        extra["attention_mask_kept"] = decode_step.mask_kept  # why GQA with past/present could not fire
     if validate_model:
         with timer("validate"):
             other = tool.resample_like([prompt])[0]
-            files[0].validation = tool.validate(str(prefill_path), PrefillStep(model), [[prompt], [other]],
+            files[0].validation = tool.validate(str(prefill_path), prefill_step, [[prompt], [other]],
                                                 config.provider, tool.flatten_outputs)
-            files[1].validation = tool.validate(str(step_path), DecodeStep(model), [[token, *flat_cache]],
+            files[1].validation = tool.validate(str(step_path), decode_step, [[token, *flat_cache]],
                                                 config.provider, tool.flatten_outputs)
             ort_tokens = greedy_generate_ort(str(prefill_path), str(step_path), prompt, new_tokens, config.provider)
             eager_tokens = greedy_generate_eager(model, prompt, new_tokens)
@@ -139,9 +164,9 @@ def greedy_generate_ort(prefill: Any, decode: Any, input_ids: Tensor, max_new_to
 
 def greedy_generate_eager(model: nn.Module, input_ids: Tensor, max_new_tokens: int) -> Tensor:
     """The same loop on the PyTorch model: the reference the ORT tokens must equal."""
-    step = DecodeStep(model)
+    prefill, step = cache_steps(model)
     with torch.no_grad():
-        outputs = PrefillStep(model)(input_ids)
+        outputs = prefill(input_ids)
         return _greedy_loop(lambda ids, cache: step(ids, *cache), outputs[0], outputs[1:], input_ids, max_new_tokens)
 
 

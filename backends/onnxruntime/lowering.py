@@ -93,6 +93,8 @@ def _cache_concat(node) -> tuple[fx.Node, fx.Node] | None:
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
     if len(tensors) != 2 or dim not in (2, -2) or node.meta["val"].dim() != 4:
         return None
+    if any(t.meta["val"].dim() != 4 for t in tensors):
+        return None  # transformers' DynamicLayer starts from a 1-D empty tensor: cat([empty, k]) is the prompt's k
     return tensors[0], tensors[1]
 
 

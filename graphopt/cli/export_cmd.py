@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any
 
 import typer
 
@@ -83,9 +82,10 @@ def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
     from graphopt.cli.model_source import load_model
 
     loaded = load_model(spec, seed=seed, batch=batch, seq_len=seq_len, single_output=not kv_cache)
-    if kv_cache and loaded.family != "llama":
-        raise GraphoptError(f"--kv-cache exports models with an explicit past_key_values argument (graphopt's built-in "
-                            f"Llama); {spec} is a {loaded.family} model: export it without --kv-cache")
+    if kv_cache:
+        from graphopt.backends.onnxruntime.generate import cache_steps
+
+        cache_steps(loaded.module, otherwise=f"{spec} is a {loaded.family} model: export it without --kv-cache")
     return loaded
 
 
@@ -158,6 +158,9 @@ def _print_human(data: dict, failed: list[str]) -> None:
     if generation:
         same = "equal" if generation["tokens_equal"] else "DIFFERENT"
         console.print(f"greedy generation, {generation['new_tokens']} new tokens: ORT tokens {same} to eager's")
+    if data.get("attention_mask_kept"):
+        console.print(f"attention keeps the model's mask ({data['attention_mask_kept']}): "
+                      "MultiHeadAttention, not GroupQueryAttention with past/present")
     for f in data["files"]:
         hist = f["op_histogram"]
         fused = ", ".join(f"{op} x{n}" for op, n in f["fused_ops"].items()) or "none"
