@@ -152,6 +152,7 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
             "tokens": tokens,
             "prompt_len": int(input_ids.shape[1]),
             "tokens_match_eager": bool(torch.equal(out.sequences, ref.sequences)),
+            "first_mismatch": _first_mismatch(out.sequences, ref.sequences, int(input_ids.shape[1])),
             "compiles": out.compiles,
             "prefill_compiles": extra["prefill_compiles"],
             "ms_per_token": steps,
@@ -175,11 +176,24 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
         f"graphopt run {loaded.name} --generate {tokens}",
         ["target", "tokens match eager", "decode compiles", "ms/token steps 8-24", "ms/token last 16",
          "eager ms/token", "compile s"],
-        [[target, g["tokens_match_eager"], g["compiles"], early, late, g["eager_median_ms"], g["compile_s"]]]))
+        [[target, _match_text(g), g["compiles"], early, late, g["eager_median_ms"], g["compile_s"]]]))
     if g["fallback"]:
         console.print(f"[yellow]fallback[/] {g['fallback']}")
     if g["cuda_graphs"]:
         console.print(g["cuda_graphs"])
+
+
+def _first_mismatch(tokens, reference, prompt_len: int) -> int | None:
+    """1-based index of the first generated token that differs from eager's, over the batch;
+    None when all agree. Greedy decoding diverges from there on, so later tokens say nothing."""
+    differs = (tokens[:, prompt_len:] != reference[:, prompt_len:]).any(0).nonzero()
+    return int(differs[0]) + 1 if len(differs) else None
+
+
+def _match_text(g: dict) -> str:
+    if g["tokens_match_eager"]:
+        return "yes"
+    return f"no: from token {g['first_mismatch']} of {g['tokens']}" if g["first_mismatch"] else "no"
 
 
 def _median(values) -> float | None:

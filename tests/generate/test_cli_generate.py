@@ -116,3 +116,16 @@ def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
     assert out.sequences.equal(ref.sequences)
     with pytest.raises(GraphoptError, match="exporter exploded"):
         ort_generate(model, ids, 3, options={"target": "onnxruntime", "fallback": "error"})
+
+
+def test_first_mismatch_names_where_greedy_decoding_diverged():
+    import torch
+
+    prompt = torch.tensor([[5, 6], [7, 8]])
+    same = torch.cat([prompt, torch.tensor([[1, 2, 3], [4, 5, 6]])], 1)
+    assert run_cmd._first_mismatch(same, same.clone(), 2) is None
+    other = same.clone()
+    other[1, 3] = 9  # the second sequence's second new token
+    assert run_cmd._first_mismatch(other, same, 2) == 2
+    block = {"tokens_match_eager": False, "first_mismatch": 2, "tokens": 3}
+    assert run_cmd._match_text(block) == "no: from token 2 of 3"
