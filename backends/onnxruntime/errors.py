@@ -21,3 +21,17 @@ class UnsupportedOp(OnnxExportError):
 
 class ProviderUnavailable(TargetUnavailable):
     """An execution provider that this onnxruntime build does not have."""
+
+
+class MissingKernel(GraphoptError):
+    """The provider has no kernel for an op of the exported model at its types."""
+
+    def __init__(self, op: str, provider: str, bfloat16: bool) -> None:
+        self.op = op
+        if bfloat16:
+            message = (f"ONNX Runtime's {provider} provider has no bfloat16 kernel for {op}: run the model in "
+                       "float32 or float16 (model.float()), or use target='eager'")
+        else:
+            message = (f"ONNX Runtime's {provider} provider has no kernel for {op} at this graph's types; "
+                       "use target='eager' for it")
+        super().__init__(message)

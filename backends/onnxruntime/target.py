@@ -15,6 +15,7 @@ since a dynamo graph's SymInt inputs and outputs have no ONNX counterpart.
 from __future__ import annotations
 
 import importlib.util
+import re
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -86,7 +87,11 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str) -> 
     from graphopt.backends.onnxruntime.session import SessionRunner, create_session
 
     model = export_graph(gm, example_inputs, dynamic=False)
-    runner = SessionRunner(create_session(model, provider), _output_specs(gm))
+    try:
+        session = create_session(model, provider)
+    except Exception as error:
+        raise _missing_kernel(error, model, provider) or error
+    runner = SessionRunner(session, _output_specs(gm))
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
     plan = model.output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
@@ -98,6 +103,21 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str) -> 
 
     run.onnx_model = model  # for tests and tools: the exported model behind this callable
     return run
+
+
+def _missing_kernel(error: Exception, model, provider: str) -> Exception | None:
+    """ORT's NOT_IMPLEMENTED "Could not find an implementation for MatMul(13) node" as one line
+    that names the fix (most often: the CPU provider has no bfloat16 kernels); else None."""
+    from graphopt.backends.onnxruntime.errors import MissingKernel
+
+    found = re.search(r"Could not find an implementation for (\w+)\(\d+\) node", str(error))
+    if not found:
+        return None
+    import onnx_ir as ir
+
+    graph = model.model.graph
+    values = [*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs)]
+    return MissingKernel(found.group(1), provider, any(v.dtype == ir.DataType.BFLOAT16 for v in values))
 
 
 class _PerSignature:

@@ -184,3 +184,18 @@ def test_model_over_the_protobuf_limit_loads_from_external_data(monkeypatch, exp
     out, (report,) = compile_on_ort(module, x)
     assert report.target == "onnxruntime" and exported[0].is_large()
     assert_matches_eager(out, eager(module, x), rel=1e-5)
+
+
+def test_a_missing_bfloat16_kernel_is_one_line_that_names_the_fix():
+    """Found by graphopt fuzz: ORT's CPU provider has no bfloat16 MatMul; the fallback reason
+    used to be ORT's raw NOT_IMPLEMENTED text."""
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16).eval()
+    x = torch.randn(2, 16, dtype=torch.bfloat16)
+    graphopt.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))  # fell back to eager
+    reasons = [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
+    assert any("ONNX Runtime's cpu provider has no bfloat16 kernel for" in r and "model.float()" in r
+               for r in reasons), reasons
