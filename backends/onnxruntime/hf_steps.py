@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 # The name of the sdpa copy; mask creation returns None for any name it has no mask for.
-UNMASKED_SDPA = "graphopt_unmasked_sdpa"
+UNMASKED_SDPA = "graphoptunmasked_sdpa"
 
 
 def is_causal_lm(model: nn.Module) -> bool:
@@ -75,12 +75,12 @@ class HFCacheStep(nn.Module):
         start = past[0].shape[2] if past else 0
         position_ids = positions(batch, start, length, input_ids.device)
         unmasked = torch.compiler.is_exporting() and self.mask_kept is None
-        with _unmasked_sdpa(self.step.model) if unmasked else contextlib.nullcontext():
+        with unmasked_sdpa(self.step.model) if unmasked else contextlib.nullcontext():
             return self.step(input_ids, position_ids, list(past))
 
 
 @contextlib.contextmanager
-def _unmasked_sdpa(model: nn.Module) -> Iterator[None]:
+def unmasked_sdpa(model: nn.Module) -> Iterator[None]:
     """``model`` on the sdpa attention without a mask for the block, its own attention after."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

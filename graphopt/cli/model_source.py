@@ -73,8 +73,20 @@ class OutputOnly(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         extra = {"use_cache": False} if self.causal else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **extra)
+        with self._export_context(attention_mask):
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **extra)
         return getattr(out, self.field)
+
+    def _export_context(self, attention_mask: Tensor | None):
+        """While torch.export traces a causal LM without a padding mask: transformers' sdpa
+        attention with no mask, causal, as eager runs it (hf_steps explains why); otherwise
+        nothing. The exported attention then lowers to GroupQueryAttention, not an MHA
+        with a materialized causal mask."""
+        if not (self.causal and attention_mask is None and torch.compiler.is_exporting()):
+            return contextlib.nullcontext()
+        from graphopt.backends.onnxruntime.hf_steps import mask_kept, unmasked_sdpa
+
+        return contextlib.nullcontext() if mask_kept(self.model) else unmasked_sdpa(self.model)
 
 
 def load_model(

@@ -138,3 +138,16 @@ def test_skips_cache_form_for_an_empty_dynamic_cache():
     (out,), model = export_and_run(module, q, k, v)
     assert rel_err(out, module(q, k, v)) < 1e-5
     assert model.fused_op_counts() == {GQA: 1} and model.cached_attention == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_plain_export_without_a_cache_fuses_attention_too(name, configs, tmp_path):
+    """graphopt export CONFIG (no --kv-cache): the same unmasked sdpa while exporting, so a
+    causal LM's prompt attention is GroupQueryAttention, not MHA over a materialized mask."""
+    path = tmp_path / "plain.onnx"
+    result = runner.invoke(app, ["export", str(configs[name]), "-o", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    (model,) = json.loads(result.stdout)["files"]
+    assert model["fused_ops"].get(MODELS[name][1]) == LAYERS, model["fused_ops"]
+    assert model["outputs"] == ["logits"]
+    assert all(row["rel_err"] < 1e-4 for row in model["validation"])  # against the model's own masked attention
