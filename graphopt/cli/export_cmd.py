@@ -156,8 +156,15 @@ def _print_human(data: dict, failed: list[str]) -> None:
                           f"{q['float_matmuls']} MatMul left with float weights")
     generation = data.get("generation")
     if generation:
-        same = "equal" if generation["tokens_equal"] else "DIFFERENT"
-        console.print(f"greedy generation, {generation['new_tokens']} new tokens: ORT tokens {same} to eager's")
+        if generation["tokens_equal"]:
+            verdict = "equal to eager's"
+        else:
+            ort, ref = generation["ort_tokens"], generation["eager_tokens"]
+            first = min((i for row_o, row_e in zip(ort, ref) for i, (a, b) in enumerate(zip(row_o, row_e)) if a != b),
+                        default=0) + 1
+            verdict = f"differ from eager's from token {first} on" + (" (4-bit weights: expected)"
+                                                                       if any(f.get("int4") for f in data["files"]) else "")
+        console.print(f"greedy generation, {generation['new_tokens']} new tokens: ORT tokens {verdict}")
     if data.get("attention_mask_kept"):
         console.print(f"attention keeps the model's mask ({data['attention_mask_kept']}): "
                       "MultiHeadAttention, not GroupQueryAttention with past/present")
