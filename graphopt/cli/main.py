@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 
@@ -21,12 +22,20 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-app.command("passes")(passes_cmd.passes)
-app.command("run")(run_cmd.run)
-app.command("debug")(debug_cmd.debug)
-app.command("export")(export_cmd.export)
-app.command("fuzz")(fuzz_cmd.fuzz)
-app.command("kernels")(kernels_cmd.kernels)
+
+
+def _help(fn) -> str:
+    """The docstring with each prose paragraph on one line: this typer prints a docstring's
+    line breaks as they are, so a paragraph wrapped at 100 columns came out ragged at 80.
+    Example blocks keep their lines (one command each)."""
+    paragraphs = inspect.cleandoc(fn.__doc__ or "").split("\n\n")
+    return "\n\n".join(p if p.startswith("Example") else " ".join(line.strip() for line in p.splitlines())
+                       for p in paragraphs)
+
+
+for _name, _fn in (("passes", passes_cmd.passes), ("run", run_cmd.run), ("debug", debug_cmd.debug),
+                   ("export", export_cmd.export), ("fuzz", fuzz_cmd.fuzz), ("kernels", kernels_cmd.kernels)):
+    app.command(_name, help=_help(_fn))(_fn)
 
 
 @app.command("models")
