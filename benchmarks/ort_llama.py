@@ -53,6 +53,7 @@ from graphopt import models  # noqa: E402
 from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.config import Options  # noqa: E402
+from graphopt.quant_report import logits_metrics  # noqa: E402
 from weight_traffic import onnx_decode_bytes, read_bandwidth, torch_decode_bytes  # noqa: E402
 
 console = Console(stderr=True)
@@ -323,8 +324,8 @@ def print_table(args, variants: list[Variant], results: dict, bandwidth: float) 
     for v in variants:
         prefill, decode = statistics.median(v.prefill_ms), statistics.median(v.decode_ms)
         logits, tokens = results[v.name]
-        err = ((logits.double() - ref_logits.double()).norm() / ref_logits.double().norm()).item()
-        top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).double().mean().item()
+        metrics = logits_metrics(logits, ref_logits)
+        err, top1 = metrics["rel_error"], metrics["top1_agreement"]
         table.add_row(v.name, f"{prefill:.1f}", f"{prefill / eager_prefill:.2f}", f"{min(v.prefill_ms):.1f}",
                       f"{decode:.2f}", f"{decode / eager_decode:.2f}", f"{v.weight_bytes / 2**20:.1f}", f"{err:.1e}",
                       f"{top1:.1%}", "yes" if torch.equal(tokens, ref_tokens) else "no", f"{v.setup_s:.0f}")

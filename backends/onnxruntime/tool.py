@@ -214,11 +214,13 @@ def validate(path: str, module: torch.nn.Module, input_sets: Sequence[Sequence[t
 
 
 def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """Share of positions whose argmax over the last axis (the vocabulary, for logits) agrees;
-    None for an output that is not a float tensor with such an axis."""
+    """quant_report.top1_agreement for an output that has a vocabulary-like last axis (a
+    float tensor of rank >= 2); None for any other output."""
+    from graphopt.quant_report import top1_agreement as agreement
+
     if not expected.is_floating_point() or expected.dim() < 2 or expected.shape[-1] < 2:
         return None
-    return (actual.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    return agreement(actual, expected)
 
 
 def describe(role: str, model: OnnxModel, files: list[str], graphopt_ops: dict[str, int]) -> ExportedFile:
