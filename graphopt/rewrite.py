@@ -21,6 +21,16 @@ from graphopt.pass_manager import NearMiss, NoOptions, PassContext, PassResult
 
 aten = torch.ops.aten
 
+# Every ATen spelling of scaled_dot_product_attention a captured graph can hold (the plain
+# op, and the backend-specific ops it decomposes to), for passes that anchor on attention.
+SDPA_OPS = (
+    aten.scaled_dot_product_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+)
+
 # Node metadata a rewrite carries from the node it replaces to the nodes it creates.
 _INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
 

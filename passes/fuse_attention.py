@@ -38,19 +38,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt import ir
 from graphopt.rewrite import (
-    NoMatch, PatternPass, call_args, cast_like, expect, expect_op, is_cast, is_op, restride_like, scalar,
+    SDPA_OPS, NoMatch, PatternPass, call_args, cast_like, expect, expect_op, is_cast, is_op, restride_like, scalar,
     single_use, val,
 )
 
 aten = torch.ops.aten
 
-SDPA_OPS = (
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-)
 MATMULS = (aten.bmm.default, aten.matmul.default)
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 _SOFTMAX = (aten._softmax.default, aten.softmax.int)

@@ -42,20 +42,13 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.ops.kv_cache import LAYOUTS
 from graphopt.pass_manager import NearMiss, PassContext, PassResult
-from graphopt.rewrite import NoMatch, expect, is_op, val
+from graphopt.rewrite import SDPA_OPS, NoMatch, expect, is_op, val
 
 aten = torch.ops.aten
 SPEC_KEY = "graphopt_static_kv_cache"
 CACHE_INPUT = "graphopt_kv_cache"  # meta key on the cache placeholders: their layer slot
 KV_DTYPES = ("auto", "int8")
 
-SDPA_OPS = (
-    aten.scaled_dot_product_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-)
 # Ops a cache value may flow through on its way to attention: views, GQA's expand, copies.
 TRANSPARENT = (
     aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.view.default,
