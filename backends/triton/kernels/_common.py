@@ -1,7 +1,7 @@
 """Launch-side helpers shared by the kernel modules: vendor, warp counts, configs, buffers.
 
-Nothing here is ``@triton.jit`` code; each kernel file keeps its few device helpers,
-so a kernel reads whole in one file.
+Nothing here is ``@triton.jit`` code (shared device helpers are in _device); each kernel
+file keeps the device helpers only it uses, so a kernel reads whole in one file.
 """
 
 from __future__ import annotations

@@ -18,18 +18,9 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _common
+from ._device import dot
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    """``a @ b`` accumulated in fp32; ieee so fp32 inputs never drop to tf32 (torch's default)."""
-    if DOT_F32:
-        # The triton 3.9 interpreter multiplies bf16 bit patterns as integers: upcast
-        # (exact for bf16) so it computes what the GPU's bf16 MMA computes.
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -87,7 +78,7 @@ def flash_attention_kernel(
         n_valid = cols < kv_len
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
-        s = _dot(q, kt, DOT_F32) * qk_scale
+        s = dot(q, kt, DOT_F32) * qk_scale
         s = tl.where(n_valid[None, :], s, float("-inf"))
         if MASK_KIND != 0:
             mvals = tl.load(mask_base + offs_m[:, None] * stride_mq + cols[None, :] * stride_mk,
@@ -107,7 +98,7 @@ def flash_attention_kernel(
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
                     mask=n_valid[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
         # p in V's dtype feeds the tensor cores; p <= 1 so fp16/bf16 keep it to 3 digits.
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],

@@ -19,17 +19,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _common
+from ._device import dot
 from .flash_attention import LOG2E, check_qkv, unit_last
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    """``a @ b`` accumulated in fp32; ieee so fp32 inputs never drop to tf32 (torch's default)."""
-    if DOT_F32:
-        # The triton 3.9 interpreter multiplies bf16 bit patterns as integers: upcast
-        # (exact for bf16) so it computes what the GPU's bf16 MMA computes.
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -84,7 +75,7 @@ def flash_decoding_split_kernel(
         n_valid = cols < hi
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
-        s = _dot(q, kt, DOT_F32) * qk_scale
+        s = dot(q, kt, DOT_F32) * qk_scale
         s = tl.where(n_valid[None, :], s, float("-inf"))
         if MASK_KIND != 0:
             mvals = tl.load(mask_base + cols[None, :] * stride_mk, mask=g_valid[:, None] & n_valid[None, :], other=0)
@@ -100,7 +91,7 @@ def flash_decoding_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
                     mask=n_valid[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
     seen = l_i > 0.0
     # A split that saw no key contributes weight exp2(-inf) = 0 in the reduction.

@@ -32,17 +32,9 @@ from torch import Tensor
 from graphopt.ops.quant import check_format
 
 from . import _common
+from ._device import dot
 
 DECODE_MAX_M = 16
-
-
-@triton.jit
-def _dot(a, b, DOT_F32: tl.constexpr):
-    """``a @ b`` accumulated in fp32; ieee so fp32 inputs never drop to tf32."""
-    if DOT_F32:
-        # triton 3.9's interpreter multiplies bf16 bit patterns as integers: upcast (exact).
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -124,7 +116,7 @@ def int4_gemm_kernel(
             w = _dequantize(packed, scale, zero, BLOCK_K, BLOCK_N, dtype)
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & (k0 + offs_k < k_end)[None, :],
                         other=0.0)
-            acc += _dot(x, w, DOT_F32)
+            acc += dot(x, w, DOT_F32)
     else:
         # GEMV on the FMA units: nothing feeds a dot, so the pipeliner leaves these loads
         # alone; the loop prefetches by hand, issuing step i + 1's weight loads before
