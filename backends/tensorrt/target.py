@@ -2,8 +2,8 @@
 
 ``torch.compile(m, backend="graphopt", options={"target": "tensorrt"})`` on an NVIDIA GPU.
 TensorRT knows no graphopt op, so each is first replaced by the ATen ops of its reference
-(``decompose.py``): TensorRT then fuses the standard ops itself, and nothing is left for
-torch-tensorrt to run in PyTorch between engines. The decomposed graph goes through
+(``graphopt/decompose.py``, which the onnxruntime target shares): TensorRT then fuses the
+standard ops itself, and nothing is left for torch-tensorrt to run in PyTorch between engines. The decomposed graph goes through
 ``torch.export`` to ``torch_tensorrt.dynamo.compile``.
 
 Precision follows the graph: torch-tensorrt >= 2.11 builds strongly typed engines, so each
@@ -27,10 +27,10 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.decompose import decompose_graphopt_ops
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.ops import op_name
 
-from .decompose import decompose_graphopt_ops
 
 # Each names torch-tensorrt itself: some callers (graphopt fuzz) show a reason without its target.
 NO_NVIDIA_GPU = ("torch-tensorrt needs an NVIDIA GPU and a CUDA build of torch; torch sees none here: "

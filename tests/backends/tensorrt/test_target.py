@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 import graphopt
 from graphopt import ir, models
 from graphopt.backends.tensorrt import target as T
-from graphopt.backends.tensorrt.decompose import decompose_graphopt_ops
+from graphopt.decompose import decompose_graphopt_ops
 from graphopt.cli.main import app
 from graphopt.config import Options
 from graphopt.errors import GraphoptError

@@ -1,9 +1,10 @@
 """``graphopt.<op>(...) -> the ATen ops of its reference implementation``, in place in the graph.
 
-TensorRT has no converter for graphopt's ops, and torch-tensorrt would run each one in
-PyTorch between engines, cutting the model into many small engines. Each op's reference
-is plain torch, so tracing it on the node's own fake inputs gives standard ATen that
-TensorRT's own fusions (normalization, GELU, attention) recognize.
+A target that cannot lower a graphopt op still runs it at full speed of its own compiler
+when the op becomes the standard ATen ops its reference is written in: TensorRT fuses
+them itself (it knows no graphopt op at all), and ONNX Runtime exports them with standard
+ONNX ops when it has no translation for that one op. Either way the graph stays whole on
+the target instead of being cut around the op.
 
 Per node, not by re-tracing the whole graph: the other nodes keep their names, frozen
 weights and metadata, and the reference is traced in the graph's own FakeTensorMode, so
@@ -13,6 +14,7 @@ symbolic sizes stay symbolic. Every new node carries ``meta["val"]``.
 from __future__ import annotations
 
 import operator
+from collections import Counter
 from typing import Any, Callable
 
 import torch
@@ -38,22 +40,36 @@ def reference_of(op: torch._ops.OpOverload) -> Callable:
     opdef = _maybe_get_opdef(op)
     fn = getattr(opdef, "_init_fn", None)
     if fn is None:
-        raise GraphoptError(f"{op_name(op)} has no Python reference to decompose for TensorRT")
+        raise GraphoptError(f"{op_name(op) or op} has no Python reference to decompose")
     return fn
 
 
 def decompose_graphopt_ops(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with every graphopt op node replaced by its reference's ATen ops (in place;
     returns ``gm``). Needs ``meta["val"]`` on the ops' inputs, as every graphopt graph has."""
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and op_name(node.target) is not None:
-            _inline_reference(gm, node)
-    gm.graph.lint()
-    gm.recompile()
+    decompose_ops(gm, lambda node: op_name(node.target) is not None)
     return gm
 
 
-def _inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
+def decompose_ops(gm: fx.GraphModule, wanted: Callable[[fx.Node], bool]) -> Counter:
+    """Replace every call_function node for which ``wanted(node)`` holds by its op's
+    reference (in place); returns how many of each op (``graphopt.rope``) were replaced.
+    Raises GraphoptError naming the op when one cannot be decomposed."""
+    done: Counter = Counter()
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and wanted(node):
+            name = op_name(node.target) or ir.target_name(node.target)
+            inline_reference(gm, node)
+            done[name] += 1
+    if done:
+        gm.graph.lint()
+        gm.recompile()
+    return done
+
+
+def inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Replace ``node`` (a custom op call) by the ATen ops of its reference, traced on the
+    node's own fake inputs. Non-tensor arguments (eps, layout, sizes) are baked in."""
     inputs = node.all_input_nodes
     missing = [n.name for n in inputs if "val" not in n.meta]
     if missing:
@@ -62,7 +78,6 @@ def _inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
     fn = reference_of(node.target)
 
     def body(*tensors: Any) -> Any:
-        # Non-tensor arguments (eps, layout, sizes) are baked in; tensors become placeholders.
         env = dict(zip(inputs, tensors))
         return fn(*fx.node.map_arg(node.args, env.__getitem__), **fx.node.map_arg(node.kwargs, env.__getitem__))
 
@@ -74,6 +89,7 @@ def _inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
 
     env: dict[fx.Node, Any] = {}
     placeholders = iter(inputs)
+    result: Any = None
     with gm.graph.inserting_before(node):
         for sub_node in sub.graph.nodes:
             if sub_node.op == "placeholder":
