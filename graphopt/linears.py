@@ -15,12 +15,10 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt import ir
-from graphopt.rewrite import expect, expect_op, is_op, scalar, val
+from graphopt.rewrite import GEMM_OPS, VIEW_OPS, expect, expect_op, is_op, scalar, val
 
 aten = torch.ops.aten
 
-GEMM_OPS = (aten.mm.default, aten.addmm.default, aten.linear.default)
-VIEW_OPS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @dataclass

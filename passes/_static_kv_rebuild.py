@@ -25,21 +25,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from graphopt import ir
 from graphopt.ops.kv_cache import cache_shape
 from graphopt.passes.static_kv_cache import (
-    CACHE_INPUT, MATMULS, SPEC_KEY, CacheInput, CacheMatch, Options, StaticCacheSpec,
+    CACHE_INPUT, SPEC_KEY, CacheInput, CacheMatch, Options, StaticCacheSpec,
 )
-from graphopt.rewrite import NoMatch, expect, is_op, val
+from graphopt.rewrite import BATCHED_MATMUL_OPS, SIZE_ASSERT_OPS, SIZE_OPS, NoMatch, expect, is_op, val
 
 aten = torch.ops.aten
 kv_cache_update = torch.ops.graphopt.kv_cache_update.default
 
-# Ops whose symbolic arguments are sizes (of the key axis, or a multiple of it when flattened).
-SIZE_OPS = (
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-    aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.full.default, aten.arange.default,
-)
-DROPPED_OPS = (aten._assert_scalar.default, aten.sym_constrain_range.default,
-               aten.sym_constrain_range_for_size.default)
 _META_DROPPED = ("val", "tensor_meta", "unbacked_bindings", "example_value")
 _DROP = object()  # a value the rewritten graph no longer has (runtime asserts on the past length)
 
@@ -58,7 +50,7 @@ class Rebuilder:
         self.by_cat = {m.cat: m for m in matches}
         self.by_past = {m.past: m for m in matches}
         self.chain = {n for m in matches for n in m.chain}
-        self.attentions = {a for m in matches for a in m.attentions if not is_op(a, *MATMULS)}
+        self.attentions = {a for m in matches for a in m.attentions if not is_op(a, *BATCHED_MATMUL_OPS)}
         self.softmaxes = {s for m in matches for s in m.softmaxes}
         lengths = {val(m.new).shape[2] for m in matches}
         expect(len(lengths) == 1, f"caches grow by different lengths {sorted(lengths)}", matches[0].cat)
@@ -292,7 +284,7 @@ class Rebuilder:
                 continue
             elif old in self.by_cat:
                 self.env[old] = self.emit_update_and_read(self.by_cat[old])
-            elif old.target in DROPPED_OPS or isinstance(val(old), (torch.SymBool, torch.SymFloat)):
+            elif old.target in SIZE_ASSERT_OPS or isinstance(val(old), (torch.SymBool, torch.SymFloat)):
                 self.env[old] = _DROP
             elif isinstance(val(old), torch.SymInt):
                 self.env[old] = self.affine(old)

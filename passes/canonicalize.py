@@ -12,20 +12,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from graphopt.rewrite import NoMatch, PatternPass, expect, is_cast, replace_uses, scalar, val
+from graphopt.rewrite import IDENTITY_OPERAND, NoMatch, PatternPass, expect, is_cast, replace_uses, scalar, val
 
 aten = torch.ops.aten
-
-_IDENTITY_SCALAR = {
-    aten.mul.Tensor: 1.0,
-    aten.mul.Scalar: 1.0,
-    aten.div.Tensor: 1.0,
-    aten.div.Scalar: 1.0,
-    aten.add.Tensor: 0.0,
-    aten.add.Scalar: 0.0,
-    aten.sub.Tensor: 0.0,
-    aten.sub.Scalar: 0.0,
-}
 
 
 def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
@@ -37,7 +26,7 @@ def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
 class Canonicalize(PatternPass):
     name = "canonicalize"
     summary = "drop identity ops (alias, x*1, x+0, casts to the same dtype) that split patterns"
-    anchors = (aten.alias.default, aten._to_copy.default, *_IDENTITY_SCALAR)
+    anchors = (aten.alias.default, aten._to_copy.default, *IDENTITY_OPERAND)
     record_near_misses = False
 
     def match(self, node: fx.Node, options) -> fx.Node:
@@ -48,7 +37,7 @@ class Canonicalize(PatternPass):
         elif node.target is aten._to_copy.default:
             expect(is_cast(node), "cast changes more than the dtype")
         else:
-            identity = _IDENTITY_SCALAR[node.target]
+            identity = IDENTITY_OPERAND[node.target]
             other = node.args[1] if len(node.args) > 1 else node.kwargs.get("other")
             expect(scalar(other) == identity and "alpha" not in node.kwargs, "not an identity constant")
         if not isinstance(source, fx.Node) or not _same_value_shape(source, node):

@@ -38,15 +38,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt import ir
 from graphopt.rewrite import (
-    SDPA_OPS, NoMatch, PatternPass, call_args, cast_like, expect, expect_op, is_cast, is_op, restride_like, scalar,
-    single_use, val,
+    BATCHED_MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, VIEW_OPS, call_args, cast_like, expect, expect_op, is_cast,
+    is_op, NoMatch, PatternPass, restride_like, scalar, single_use, val,
 )
 
 aten = torch.ops.aten
 
-MATMULS = (aten.bmm.default, aten.matmul.default)
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-_SOFTMAX = (aten._softmax.default, aten.softmax.int)
 
 
 @dataclass
@@ -96,7 +93,7 @@ def _skip_layout_copies(node: Any) -> Any:
 def _unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int] | None:
     """(kv, groups) for transformers' repeat_kv: ``view(clone(expand(kv[:, :, None], [B, Hkv, n, S, D])),
     [B, Hkv * n, S, D])``; None for any other tensor."""
-    if not is_op(node, *_VIEWS):
+    if not is_op(node, *VIEW_OPS):
         return None
     inner = node.args[0]
     if is_op(inner, aten.clone.default):
@@ -205,7 +202,7 @@ def _match_sdpa(node: fx.Node) -> AttentionMatch:
 
 def _flattened_operand(node: fx.Node, what: str) -> fx.Node:
     """The 4-D tensor behind a bmm operand: ``view(clone?(expand?(t)), [B*H, M, K])``."""
-    expect_op(node, _VIEWS, f"{what} bmm operand")
+    expect_op(node, VIEW_OPS, f"{what} bmm operand")
     inner = node.args[0]
     if is_op(inner, aten.clone.default):
         inner = inner.args[0]
@@ -226,12 +223,12 @@ def _matmul_operands(node: fx.Node, what: str) -> tuple[fx.Node, fx.Node, fx.Nod
         a, b = node.args[:2]
         expect(val(a).dim() == 4 and val(b).dim() == 4, f"{what} matmul is not of 4-D tensors", node)
         return a, b, node
-    if is_op(node, *_VIEWS):
+    if is_op(node, *VIEW_OPS):
         bmm = expect_op(node.args[0], aten.bmm.default, what)
         view = node
     else:
         bmm = expect_op(node, aten.bmm.default, what)
-        expect(len(bmm.users) == 1 and is_op(next(iter(bmm.users)), *_VIEWS),
+        expect(len(bmm.users) == 1 and is_op(next(iter(bmm.users)), *VIEW_OPS),
                f"{what} bmm is not viewed back to 4-D", bmm)
         view = next(iter(bmm.users))
     single_use(bmm, what)
@@ -300,13 +297,13 @@ def _is_scores(node: Any) -> bool:
             node = node.args[0]
         else:
             break
-    return is_op(node, aten.matmul.default) or (is_op(node, *_VIEWS) and is_op(node.args[0], aten.bmm.default))
+    return is_op(node, aten.matmul.default) or (is_op(node, *VIEW_OPS) and is_op(node.args[0], aten.bmm.default))
 
 
 def _match_explicit(anchor: fx.Node) -> AttentionMatch:
     probs_in, v, out = _matmul_operands(anchor, "probs @ v")
     softmax = _probs_source(probs_in)
-    expect_op(softmax, _SOFTMAX, "attention probs")
+    expect_op(softmax, SOFTMAX_OPS, "attention probs")
     single_use(softmax, "attention probs")
     dim = softmax.args[1]
     expect(dim in (-1, val(softmax).dim() - 1), f"softmax over dim {dim}, expected -1", softmax)
@@ -345,14 +342,14 @@ def _feeds_on_softmax(anchor: fx.Node) -> bool:
     """Whether the first operand of a matmul comes from a softmax (through views/casts/clones)."""
     node = anchor.args[0]
     for _ in range(8):
-        if is_op(node, *_SOFTMAX):
+        if is_op(node, *SOFTMAX_OPS):
             return True
         if not isinstance(node, fx.Node) or node.op != "call_function" or not node.args:
             return False
         if _dropout_input(node) is not None:
             node = _dropout_input(node)
             continue
-        if not (is_op(node, aten.clone.default, aten.expand.default, *_VIEWS) or is_cast(node)):
+        if not (is_op(node, aten.clone.default, aten.expand.default, *VIEW_OPS) or is_cast(node)):
             return False
         node = node.args[0]
     return False
@@ -363,7 +360,7 @@ def _feeds_on_softmax(anchor: fx.Node) -> bool:
 class FuseAttention(PatternPass):
     name = "fuse_attention"
     summary = "softmax(q k^T * scale + mask) v and the SDPA ops -> graphopt.attention (GQA implicit)"
-    anchors = SDPA_OPS + MATMULS
+    anchors = SDPA_OPS + BATCHED_MATMUL_OPS
 
     def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
         # A matmul is a candidate only when it multiplies softmax probabilities: the other

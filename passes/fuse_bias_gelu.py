@@ -26,7 +26,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.rewrite import NoMatch, PatternPass, cast_like, expect, expect_op, is_op, scalar, val
+from graphopt.rewrite import (
+    ADD_OPS, SUB_OPS, VIEW_OPS, cast_like, expect, expect_op, is_op, NoMatch, PatternPass, scalar, val,
+)
 
 aten = torch.ops.aten
 graphopt_ops = torch.ops.graphopt
@@ -35,8 +37,6 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 TANH_COEFF = 0.044715
 INV_SQRT_2 = 1.0 / math.sqrt(2.0)
 _RTOL = 1e-5  # hand-written constants: 0.7978845608 and x / 1.41421 are both sqrt(2/pi), 1/sqrt(2)
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def close(value: float, want: float) -> bool:
@@ -85,7 +85,7 @@ def times_half(node) -> fx.Node | None:
 def match_outer(fn: fx.Node, inner: set[fx.Node]) -> tuple[fx.Node, fx.Node]:
     """``0.5 * x * (1 + fn)`` in any association; returns (x, output)."""
     name = "tanh" if fn.target is aten.tanh.default else "erf"
-    one_plus = expect_op(single_user(fn, name), (aten.add.Tensor, aten.add.Scalar), f"{name} user")
+    one_plus = expect_op(single_user(fn, name), ADD_OPS, f"{name} user")
     expect(scalar(other_operand(one_plus, fn)) == 1.0, f"adds {other_operand(one_plus, fn)} to {name}, expected 1",
            one_plus)
     inner |= {fn, one_plus}
@@ -124,7 +124,7 @@ def polynomial(node, x: fx.Node, inner: set[fx.Node]) -> dict[int, float]:
     if is_op(node, aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar):
         alpha = scalar(node.kwargs.get("alpha", 1))
         expect(alpha is not None, "add with a tensor alpha", node)
-        sign = -alpha if node.target in (aten.sub.Tensor, aten.sub.Scalar) else alpha
+        sign = -alpha if node.target in SUB_OPS else alpha
         out = Counter(polynomial(node.args[0], x, inner))
         for power, coeff in polynomial(node.args[1], x, inner).items():
             out[power] += sign * coeff
@@ -190,7 +190,7 @@ def absorb_bias(m: BiasGeluMatch) -> BiasGeluMatch:
     outside = [u for u in x.users if u not in m.inner]
     hidden = shape_of(m.output)[-1]
     gemm, view = x, None
-    if is_op(x, *_VIEWS) and is_op(x.args[0], aten.addmm.default):
+    if is_op(x, *VIEW_OPS) and is_op(x.args[0], aten.addmm.default):
         gemm, view = x.args[0], x
     if is_op(gemm, aten.addmm.default):
         for key in ("beta", "alpha"):

@@ -28,13 +28,14 @@ from graphopt import ir
 from graphopt.linears import (
     Linear, concat_params, expect_constant_params, expect_same_params, input_mismatch, linear_producing, same_shape,
 )
-from graphopt.rewrite import NoMatch, PatternPass, expect, is_op, val
+from graphopt.rewrite import (
+    GATE_ACTIVATION_OPS, expect, is_op, NoMatch, PatternPass, val,
+)
 
 aten = torch.ops.aten
 
 # --- The gated MLP.
 
-ACTIVATIONS = (aten.silu.default, aten.gelu.default)
 
 
 @dataclass
@@ -52,15 +53,15 @@ class FuseGatedMlp(PatternPass):
 
     def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
         # Only products with a silu/gelu operand: near misses on every other mul would be noise.
-        return [n for n in super().candidates(gm) if any(is_op(a, *ACTIVATIONS) for a in n.args[:2])]
+        return [n for n in super().candidates(gm) if any(is_op(a, *GATE_ACTIVATION_OPS) for a in n.args[:2])]
 
     def match(self, product: fx.Node, options) -> GatedMlpMatch:
         first, second = product.args[:2]
-        if is_op(first, *ACTIVATIONS):
+        if is_op(first, *GATE_ACTIVATION_OPS):
             try:
                 return self._match_ordered(product, first, second)
             except NoMatch:
-                if not is_op(second, *ACTIVATIONS):
+                if not is_op(second, *GATE_ACTIVATION_OPS):
                     raise
         return self._match_ordered(product, second, first)  # up * act(gate)
 

@@ -32,13 +32,12 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.pass_manager import NearMiss, PassResult
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, expect_op, is_last_dim, is_op, scalar, val,
+    ADD_OPS, cast_like, expect, expect_op, is_last_dim, is_op, NoMatch, PatternPass, scalar, val,
 )
 
 aten = torch.ops.aten
 graphopt_ops = torch.ops.graphopt
 
-_ADD = (aten.add.Tensor, aten.add.Scalar)
 
 
 @dataclass
@@ -223,7 +222,7 @@ class FuseLayerNorm(PatternPass):
 
     def match_decomposed(self, root: fx.Node) -> LayerNormMatch:
         op = "rsqrt" if root.target is aten.rsqrt.default else "sqrt"
-        add = expect_op(root.args[0], _ADD, f"{op} input")
+        add = expect_op(root.args[0], ADD_OPS, f"{op} input")
         var, eps = add.args[0], scalar(add.args[1])
         if eps is None and isinstance(add.args[1], fx.Node):  # eps + var written the other way round
             var, eps = add.args[1], scalar(add.args[0])

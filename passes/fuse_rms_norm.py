@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, expect_op, is_cast, is_exact_upcast, is_last_dim, is_op, only_user,
-    scalar, single_use, val,
+    ADD_OPS, cast_like, expect, expect_op, is_cast, is_exact_upcast, is_last_dim, is_op, NoMatch, only_user,
+    PatternPass, scalar, single_use, val,
 )
 
 aten = torch.ops.aten
@@ -36,7 +36,7 @@ class RmsNormMatch:
 
 def match_rms_core(rsqrt: fx.Node) -> tuple[fx.Node, fx.Node, float]:
     """From ``rsqrt(mean(x^2) + eps)`` return (x_squared, normed = x * rsqrt, eps)."""
-    add = single_use(expect_op(rsqrt.args[0], (aten.add.Tensor, aten.add.Scalar), "rsqrt input"), "variance + eps")
+    add = single_use(expect_op(rsqrt.args[0], ADD_OPS, "rsqrt input"), "variance + eps")
     mean, eps = add.args[0], scalar(add.args[1])
     if eps is None and isinstance(add.args[1], fx.Node):  # eps + mean written the other way round
         mean, eps = add.args[1], scalar(add.args[0])

@@ -34,12 +34,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt import ir
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, expect_op, is_cast, is_op, restride_like, scalar, single_use, val,
+    VIEW_OPS, cast_like, expect, expect_op, is_cast, is_op, NoMatch, PatternPass, restride_like, scalar,
+    single_use, val,
 )
 
 aten = torch.ops.aten
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _same_value(a, b, depth: int = 4) -> bool:
         return False
     if a.op != "call_function" or a.target is not b.target or a.kwargs != b.kwargs or len(a.args) != len(b.args):
         return False
-    if a.target not in (aten.slice.Tensor, aten.transpose.int, aten.permute.default, *_VIEWS):
+    if a.target not in (aten.slice.Tensor, aten.transpose.int, aten.permute.default, *VIEW_OPS):
         return False
     return _same_value(a.args[0], b.args[0], depth - 1) and list(a.args[1:]) == list(b.args[1:])
 
@@ -109,7 +109,7 @@ def _trig(node) -> str | None:
         if is_op(node, aten.mul.Tensor, aten.mul.Scalar) and scalar(node.args[1]) is not None:
             node = node.args[0]
         elif is_op(node, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.clone.default,
-                   aten.slice.Tensor, aten.index.Tensor, *_VIEWS) or is_cast(node):
+                   aten.slice.Tensor, aten.index.Tensor, *VIEW_OPS) or is_cast(node):
             node = node.args[0]
         else:
             return None
@@ -160,7 +160,7 @@ def _pair_member(node: fx.Node) -> tuple[fx.Node, int]:
     else:
         raise NoMatch(f"interleaved half {node.name} is not a strided slice or an unbind of pairs", node)
     expect(_last_axis(dim, pairs) and val(pairs).shape[-1] == 2, "pairs are not the last dim of size 2", node)
-    expect_op(pairs, _VIEWS, "pairs")
+    expect_op(pairs, VIEW_OPS, "pairs")
     src = pairs.args[0]
     shape, pshape = tuple(val(src).shape), tuple(val(pairs).shape)
     expect(pshape[:-2] == shape[:-1] and pshape[-2] * 2 == shape[-1], "pairs view does not split the last dim", pairs)
@@ -190,7 +190,7 @@ def _parse_rotate(node: fx.Node) -> tuple[fx.Node, bool] | None:
     """(x, interleaved) when ``node`` looks like a rotation; None when it is no rotation at all."""
     if is_op(node, aten.cat.default):
         return _rotate_half_source(node), False
-    if is_op(node, *_VIEWS) and is_op(node.args[0], aten.stack.default):
+    if is_op(node, *VIEW_OPS) and is_op(node.args[0], aten.stack.default):
         return _interleaved_source(node), True
     return None
 
@@ -255,7 +255,7 @@ def _looks_like_rope(add: fx.Node) -> bool:
     if len(terms) != 2 or not all(is_op(t, aten.mul.Tensor) for t in terms):
         return False
     factors = [f for t in terms for f in t.args]
-    return any(is_op(f, aten.cat.default) or (is_op(f, *_VIEWS) and is_op(f.args[0], aten.stack.default))
+    return any(is_op(f, aten.cat.default) or (is_op(f, *VIEW_OPS) and is_op(f.args[0], aten.stack.default))
                for f in factors)
 
 

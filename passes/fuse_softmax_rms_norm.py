@@ -27,12 +27,12 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, is_cast, is_last_dim, is_op, scalar, val, FLOAT_BITS, call_args, cast_back_user, dtype_name, is_exact_upcast,
+    FLOAT_BITS, SOFTMAX_OPS, call_args, cast_back_user, cast_like, dtype_name, expect, is_cast,
+    is_exact_upcast, is_last_dim, is_op, NoMatch, PatternPass, scalar, val,
 )
 
 aten = torch.ops.aten
 
-_SOFTMAX = (aten._softmax.default, aten.softmax.int)
 
 
 # --- the pass ---------------------------------------------------------------------------
@@ -83,13 +83,13 @@ class FuseSoftmaxRmsNorm(PatternPass):
     def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
         # Only norms that read a softmax: every other norm (all of Llama's) would otherwise
         # show up in `graphopt debug --why` as a near miss of this pass.
-        return [n for n in super().candidates(gm) if is_op(_through_casts(call_args(n)["x"])[1], *_SOFTMAX)]
+        return [n for n in super().candidates(gm) if is_op(_through_casts(call_args(n)["x"])[1], *SOFTMAX_OPS)]
 
     def match(self, norm: fx.Node, options) -> SoftmaxRmsNormMatch:
         args = call_args(norm)
         probs = args["x"]
         casts, sm = _through_casts(probs)
-        if not is_op(sm, *_SOFTMAX):
+        if not is_op(sm, *SOFTMAX_OPS):
             found = ir.target_name(sm.target) if isinstance(sm, fx.Node) else repr(sm)
             raise NoMatch(f"norm input: expected aten._softmax or aten.softmax, found {found}",
                           sm if isinstance(sm, fx.Node) else None)

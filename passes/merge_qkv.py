@@ -31,10 +31,10 @@ import torch
 import torch.fx as fx
 
 from graphopt.linears import (
-    GEMM_OPS, VIEW_OPS, Linear, concat_params, expect_constant_params, expect_same_params, input_mismatch,
+    Linear, concat_params, expect_constant_params, expect_same_params, input_mismatch,
     match_linear,
 )
-from graphopt.rewrite import NoMatch, PatternPass, expect, is_op, val
+from graphopt.rewrite import GEMM_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
 
 aten = torch.ops.aten
 

@@ -34,11 +34,11 @@ import torch.fx as fx
 
 from graphopt import ir, quantization
 from graphopt.ops.quant import GROUP_SIZES
-from graphopt.linears import GEMM_OPS, match_linear, param_name
+from graphopt.linears import match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.quant_report import summarize_layers
 from graphopt.quantization import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
-from graphopt.rewrite import PatternPass, expect, val
+from graphopt.rewrite import GEMM_OPS, PatternPass, expect, val
 
 aten = torch.ops.aten
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear

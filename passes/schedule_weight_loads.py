@@ -41,16 +41,14 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.pass_manager import PassContext, PassResult
+from graphopt.rewrite import HEAVY_COMPUTE_OPS
 
 aten = torch.ops.aten
 SCHEDULE_META = "graphopt_schedule"
 
 COMPUTE_OPS = frozenset({
     torch.ops.graphopt.int4_linear.default, torch.ops.graphopt.qkv_proj.default,
-    torch.ops.graphopt.attention.default,
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default, aten.convolution.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default, aten.scaled_dot_product_attention.default,
+    torch.ops.graphopt.attention.default, *HEAVY_COMPUTE_OPS,
 })
 
 

@@ -42,26 +42,15 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.ops.kv_cache import LAYOUTS
 from graphopt.pass_manager import NearMiss, PassContext, PassResult
-from graphopt.rewrite import SDPA_OPS, NoMatch, expect, is_op, val
+from graphopt.rewrite import (
+    BATCHED_MATMUL_OPS, SCORE_OPS, SDPA_OPS, SOFTMAX_OPS, TRANSPARENT_OPS, NoMatch, expect, is_op, val,
+)
 
 aten = torch.ops.aten
 SPEC_KEY = "graphopt_static_kv_cache"
 CACHE_INPUT = "graphopt_kv_cache"  # meta key on the cache placeholders: their layer slot
 KV_DTYPES = ("auto", "int8")
 
-# Ops a cache value may flow through on its way to attention: views, GQA's expand, copies.
-TRANSPARENT = (
-    aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.view.default,
-    aten._unsafe_view.default, aten.reshape.default, aten.slice.Tensor, aten.alias.default,
-    aten.contiguous.default, aten._to_copy.default, aten.transpose.int, aten.permute.default,
-)
-MATMULS = (aten.bmm.default, aten.matmul.default)
-# Ops between the explicit form's q @ k^T and its softmax: scale, mask, casts, views.
-SCORE_OPS = (
-    aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor, aten.sub.Tensor, aten._to_copy.default, aten.view.default,
-    aten._unsafe_view.default, aten.reshape.default, aten.masked_fill.Scalar, aten.where.self, aten.clone.default,
-)
-SOFTMAX = (aten._softmax.default, aten.softmax.int)
 
 
 @dataclass
@@ -191,7 +180,7 @@ def softmax_of_scores(scores: fx.Node) -> fx.Node:
             if user in seen:
                 continue
             seen.add(user)
-            if is_op(user, *SOFTMAX):
+            if is_op(user, *SOFTMAX_OPS):
                 expect(user.args[1] in (-1, val(user).dim() - 1), f"softmax over dim {user.args[1]}, expected the "
                        "key axis (last)", user)
                 return user
@@ -244,13 +233,13 @@ def match_cache(cat: fx.Node) -> CacheMatch:
                 continue
             elif _attention_slot(user, value):
                 attentions.append(user)
-            elif is_op(user, *MATMULS) and user.args[1] is value:
+            elif is_op(user, *BATCHED_MATMUL_OPS) and user.args[1] is value:
                 # Explicit attention: q @ k^T has the key axis last and must be masked before its
                 # softmax; probs @ v reads the cache rows those zero probabilities skip.
                 if _symbolic_last(user):
                     softmaxes.append(softmax_of_scores(user))
                 attentions.append(user)
-            elif is_op(user, *TRANSPARENT) and user.args[0] is value or _scales(user, value):
+            elif is_op(user, *TRANSPARENT_OPS) and user.args[0] is value or _scales(user, value):
                 todo.append((user, False))
             else:
                 raise NoMatch(f"the concatenated cache feeds {ir.target_name(user.target)} ({user.name}), not "

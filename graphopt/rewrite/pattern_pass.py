@@ -1,0 +1,77 @@
+"""The base of one-pattern fusion passes (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.pass_manager import NearMiss, NoOptions, PassContext, PassResult
+from graphopt.rewrite.match import NoMatch
+
+# Node metadata a rewrite carries from the node it replaces to the nodes it creates.
+_INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr")
+
+
+class PatternPass:
+    """Base of one-pattern fusion passes. Subclasses set the class attributes and
+    implement ``match`` and ``rewrite``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Options: ClassVar[type] = NoOptions
+    requires: ClassVar[tuple[str, ...]] = ()
+    anchors: ClassVar[tuple[Any, ...]] = ()
+    # False for passes whose every anchor is a candidate (canonicalize): their misses are noise.
+    record_near_misses: ClassVar[bool] = True
+
+    def match(self, anchor: fx.Node, options: Any) -> Any:
+        """Return a match object, or raise NoMatch(reason, node)."""
+        raise NotImplementedError
+
+    def rewrite(self, gm: fx.GraphModule, match: Any, options: Any) -> None:
+        """Insert the fused node(s) and redirect the users of the matched value(s)."""
+        raise NotImplementedError
+
+    def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
+        return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in self.anchors]
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        options = ctx.options_for(self)
+        near_misses: list[NearMiss] = []
+        matches = 0
+        fake_mode = ir.fake_mode_of(gm)
+        for anchor in self.candidates(gm):
+            if anchor.graph is not gm.graph or anchor._erased:
+                continue  # consumed by an earlier rewrite in this pass
+            try:
+                found = self.match(anchor, options)
+            except NoMatch as miss:
+                if self.record_near_misses:
+                    stop = miss.node.name if miss.node is not None else anchor.name
+                    near_misses.append(NearMiss(self.name, anchor.name, stop, miss.reason))
+                continue
+            if not ctx.allow_rewrite(self.name, anchor):
+                near_misses.append(NearMiss(self.name, anchor.name, anchor.name, "bisect limit reached"))
+                continue
+            existing = set(gm.graph.nodes)
+            self.rewrite(gm, found, options)
+            self._finish_new_nodes(gm, existing, anchor, fake_mode)
+            matches += 1
+        if matches:
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+        return PassResult(gm, modified=matches > 0, stats={"matches": matches}, near_misses=near_misses)
+
+    def _finish_new_nodes(self, gm: fx.GraphModule, existing: set, anchor: fx.Node, fake_mode) -> None:
+        """Stamp new nodes with this pass, inherit the anchor's source info, infer meta['val']."""
+        for node in gm.graph.nodes:
+            if node in existing:
+                continue
+            node.meta.setdefault(ir.CREATED_BY, self.name)
+            for key in _INHERITED_META:
+                if key in anchor.meta:
+                    node.meta.setdefault(key, anchor.meta[key])
+            if "val" not in node.meta:
+                ir.infer_val(node, fake_mode)
