@@ -38,6 +38,10 @@ class NearMiss:
     anchor: str  # the node the match started from
     node: str  # the node where matching stopped
     reason: str
+    # True when a cheap screen dismissed the anchor before matching (a mul with no
+    # activation operand is no gated MLP): kept for --why, which groups them by reason,
+    # but not counted as a near miss in the pass's record.
+    screened: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -219,7 +223,7 @@ class PassManager:
         record.time_ms = (time.perf_counter() - start) * 1e3
         record.stats = dict(result.stats)
         record.matches = int(result.stats.get("matches", 0))
-        record.near_misses = len(result.near_misses)
+        record.near_misses = sum(not m.screened for m in result.near_misses)
         record.status = "changed" if result.modified else "unchanged"
         record.nodes_after = ir.node_count(result.gm)
         near_misses.extend(result.near_misses)

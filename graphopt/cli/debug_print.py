@@ -27,15 +27,31 @@ def print_graph(g: dict, show_table: bool, why: list[str]) -> None:
         if p["status"] == "failed":
             console.print(f"[red]pass {p['name']} failed and was skipped:[/] {escape(p['error'] or '')}")
     if why:
-        misses = g["near_misses"]
-        matched = {p["name"]: p["matches"] for p in g["passes"]}
-        for name in why:
-            key = name.replace("-", "_")
-            console.print(f"{key}: {matched.get(key, 0)} rewrites, "
-                          f"{sum(m['pass_name'] == key for m in misses)} near misses")
-        if misses:
-            console.print(table(f"graph {g['graph']}: near misses", ["pass", "candidate", "stopped at", "reason"],
-                                [[m["pass_name"], m["anchor"], m["node"], m["reason"]] for m in misses]))
+        print_why(g, why)
+
+
+def print_why(g: dict, why: list[str]) -> None:
+    """Per pass: rewrites and near misses; each near miss in full; anchors a pass's screen
+    dismissed before matching, grouped by reason (one line per reason, not per node)."""
+    misses = [m for m in g["near_misses"] if not m.get("screened")]
+    screened = [m for m in g["near_misses"] if m.get("screened")]
+    matched = {p["name"]: p["matches"] for p in g["passes"]}
+    for name in why:
+        key = name.replace("-", "_")
+        console.print(f"{key}: {matched.get(key, 0)} rewrites, "
+                      f"{sum(m['pass_name'] == key for m in misses)} near misses, "
+                      f"{sum(m['pass_name'] == key for m in screened)} anchors screened out")
+    if misses:
+        console.print(table(f"graph {g['graph']}: near misses", ["pass", "candidate", "stopped at", "reason"],
+                            [[m["pass_name"], m["anchor"], m["node"], m["reason"]] for m in misses]))
+    if screened:
+        groups: dict[tuple[str, str], list[str]] = {}
+        for m in screened:
+            groups.setdefault((m["pass_name"], m["reason"]), []).append(m["anchor"])
+        rows = [[p, reason, len(nodes), ", ".join(nodes[:3]) + (", ..." if len(nodes) > 3 else "")]
+                for (p, reason), nodes in groups.items()]
+        console.print(table(f"graph {g['graph']}: screened out before matching",
+                            ["pass", "reason", "anchors", "e.g."], rows))
 
 
 def print_extras(out: dict) -> None:

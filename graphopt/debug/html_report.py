@@ -224,7 +224,7 @@ def _reproducer(data: dict) -> str:
 
 
 def _near_misses(g: dict) -> str:
-    misses = g.get("near_misses") or []
+    misses = [m for m in g.get("near_misses") or [] if not m.get("screened")]  # screened: --why groups them
     if not misses:
         return ""
     rows = "".join(f"<tr><td><code>{escape(m['pass_name'])}</code></td><td>{escape(m['anchor'])}</td>"

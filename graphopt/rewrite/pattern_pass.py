@@ -26,6 +26,13 @@ class PatternPass:
     # False for passes whose every anchor is a candidate (canonicalize): their misses are noise.
     record_near_misses: ClassVar[bool] = True
 
+    def screen(self, anchor: fx.Node) -> str | None:
+        """A cheap test before matching: why ``anchor`` is no candidate at all (``"no
+        silu or gelu operand"``), or None to match it. Screened anchors are recorded as
+        screened near misses, so ``graphopt debug --why`` can still say why a pass saw
+        nothing, grouped by reason instead of one line per residual add."""
+        return None
+
     def match(self, anchor: fx.Node, options: Any) -> Any:
         """Return a match object, or raise NoMatch(reason, node)."""
         raise NotImplementedError
@@ -45,6 +52,10 @@ class PatternPass:
         for anchor in self.candidates(gm):
             if anchor.graph is not gm.graph or anchor._erased:
                 continue  # consumed by an earlier rewrite in this pass
+            dismissed = self.screen(anchor)
+            if dismissed is not None:
+                near_misses.append(NearMiss(self.name, anchor.name, anchor.name, dismissed, screened=True))
+                continue
             try:
                 found = self.match(anchor, options)
             except NoMatch as miss:
