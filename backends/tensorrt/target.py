@@ -3,8 +3,8 @@
 ``torch.compile(m, backend="graphopt", options={"target": "tensorrt"})`` on an NVIDIA GPU.
 TensorRT knows no graphopt op, so each is first replaced by the ATen ops of its reference
 (``graphopt/decompose.py``, which the onnxruntime target shares): TensorRT then fuses the
-standard ops itself, and nothing is left for torch-tensorrt to run in PyTorch between engines. The decomposed graph goes through
-``torch.export`` to ``torch_tensorrt.dynamo.compile``.
+standard ops itself, and nothing is left for torch-tensorrt to run in PyTorch between engines.
+The decomposed graph goes through ``torch.export`` to ``torch_tensorrt.dynamo.compile``.
 
 Precision follows the graph: torch-tensorrt >= 2.11 builds strongly typed engines, so each
 layer runs in the dtype the graph (traced from the example inputs) gives it. We do not pass
