@@ -18,7 +18,8 @@ from graphopt import ir
 from graphopt.config import Options
 from graphopt.errors import BackendFailed, GraphoptError, TargetUnavailable
 from graphopt.instrument import NumericCheck
-from graphopt.pass_manager import Instrument, PassContext, PassManager, PipelineResult
+from graphopt.pass_manager import Instrument, PassContext, PipelineResult
+from graphopt.pipeline import build_pass_manager
 from graphopt.report import CompileReport, record
 from graphopt.targets import get_target, resolve_target
 
@@ -32,7 +33,7 @@ def run_pipeline(gm: fx.GraphModule, config: Options, example_inputs: Sequence[A
     if config.check_numerics and example_inputs is not None:
         instruments.append(NumericCheck(example_inputs, config.tolerance))
     ctx = PassContext(config, example_inputs)
-    manager = PassManager.from_options(config, instruments)
+    manager = build_pass_manager(config, instruments)
     return manager.run(gm, ctx), ctx
 
 

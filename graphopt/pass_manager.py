@@ -5,6 +5,10 @@ A pass is one object with ``name``, a one-line ``summary``, an ``Options`` datac
 Everything around the passes (timing, printing, verification, numeric checks,
 disabling, the bisect limit, falling back on failure) lives here and in
 ``graphopt.instrument``, never inside a pass.
+
+This module knows no pass by name: the registry (graphopt.registry) and the default
+pipeline (graphopt.pipeline, which also builds a PassManager from Options) import it,
+never the reverse.
 """
 
 from __future__ import annotations
@@ -151,6 +155,23 @@ def build_pass_options(p: Pass, given: dict) -> Any:
         raise OptionsError(f"bad options for pass {p.name}: {error}") from error
 
 
+def options_schema(p: Pass) -> list[dict[str, Any]]:
+    """``[{name, type, default, help}]`` for each field of ``p.Options``; ``help`` is the
+    field's ``metadata["help"]`` (``field(default=..., metadata={"help": "one line"})``),
+    None where the pass gives none."""
+    rows = []
+    for f in dataclasses.fields(p.Options):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = None  # required: the pass cannot be built without it
+        kind = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # a string under postponed annotations
+        rows.append({"name": f.name, "type": kind, "default": default, "help": f.metadata.get("help")})
+    return rows
+
+
 class Instrument:
     """Hooks the PassManager calls around each pass. Subclass and override what you need."""
 
@@ -174,18 +195,6 @@ class PassManager:
         self.verify = verify
         self.fallback = fallback
         check_preconditions([p for p in self.passes if p.name not in self.disabled])
-
-    @classmethod
-    def from_options(cls, config: Options, instruments: Sequence[Instrument] = ()) -> PassManager:
-        from graphopt.pipeline import build_pipeline
-
-        passes = build_pipeline(config.pipeline or None, int4=config.int4)
-        from graphopt.registry import get_pass
-
-        for name, given in config.pass_options.items():  # user errors surface now, not as pass failures
-            build_pass_options(get_pass(name), given)
-        return cls(passes, instruments, disabled=config.disable_passes,
-                   verify=config.verify, fallback=config.fallback)
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PipelineResult:
         records, near_misses, fallbacks = [], [], []

@@ -1,13 +1,16 @@
-"""The default pipeline: one explicit, ordered list of pass names.
+"""The default pipeline: one explicit, ordered list of pass names, and the PassManager
+built from a config.
 
-Order matters where one pattern feeds another; the comments say why.
+Order matters where one pattern feeds another; the comments say why. This module reads
+the registry and the pass manager; neither of them imports it.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from graphopt.pass_manager import Pass, check_preconditions
+from graphopt.config import Options
+from graphopt.pass_manager import Instrument, Pass, PassManager, build_pass_options, check_preconditions
 from graphopt.registry import get_pass
 
 DEFAULT_PIPELINE: tuple[str, ...] = (
@@ -39,6 +42,17 @@ def build_pipeline(names: Sequence[str] | None = None, int4: bool = False) -> li
     passes = [get_pass(n) for n in names]
     check_preconditions(passes)
     return passes
+
+
+def build_pass_manager(config: Options, instruments: Sequence[Instrument] = ()) -> PassManager:
+    """The PassManager ``config`` asks for: its pipeline (with INT4 when asked), disabled
+    passes, verification and fallback. Bad pass options fail here, as one OptionsError,
+    rather than later as a pass failure."""
+    passes = build_pipeline(config.pipeline or None, int4=config.int4)
+    for name, given in config.pass_options.items():
+        build_pass_options(get_pass(name), given)
+    return PassManager(passes, instruments, disabled=config.disable_passes,
+                       verify=config.verify, fallback=config.fallback)
 
 
 def pipeline_string(passes: Sequence[Pass]) -> str:

@@ -9,6 +9,7 @@ from torch import nn
 
 import graphopt
 from graphopt import registry
+from graphopt.registry import scoped_passes
 from graphopt.errors import BackendFailed
 from graphopt.pass_manager import NoOptions, PassResult
 from tests.helpers import assert_matches_eager, eager
@@ -63,8 +64,9 @@ class Norm(nn.Module):
 
 
 @pytest.fixture
-def exploding_pass(monkeypatch):
-    monkeypatch.setitem(registry.all_passes(), "explode", ExplodingPass())
+def exploding_pass():
+    with scoped_passes(ExplodingPass()):
+        yield
 
 
 def _compile(module, options):

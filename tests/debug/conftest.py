@@ -10,7 +10,7 @@ import shlex
 import pytest
 from typer.testing import CliRunner
 
-from graphopt import registry
+from graphopt.registry import scoped_passes
 from graphopt.cli.main import app
 from tests.debug.planted import DropsVal, Explode, RewriteEps
 
@@ -37,12 +37,11 @@ def rerun(command: str, *extra: str) -> dict:
 
 
 @pytest.fixture
-def planted(monkeypatch):
-    """Registers wrong-on-purpose passes; returns them by name."""
+def planted():
+    """Registers wrong-on-purpose passes for one test; returns them by name."""
     passes = {"rewrite_eps": RewriteEps(wrong=2), "explode": Explode(), "drops_val": DropsVal()}
-    for name, p in passes.items():
-        monkeypatch.setitem(registry.all_passes(), name, p)
-    return passes
+    with scoped_passes(*passes.values()):
+        yield passes
 
 
 @pytest.fixture(scope="session")

@@ -7,12 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from graphopt import registry
+from graphopt.registry import get_pass, scoped_passes
 from graphopt.config import Options
 from graphopt.debug.bisect import bisect_rewrites
 from graphopt.pass_manager import NoOptions
 from graphopt.pipeline import DEFAULT_PIPELINE
-from graphopt.registry import get_pass
 from tests.debug.conftest import RMS_PIPELINE, debug, debug_json, rerun
 from tests.helpers import aten_graph
 
@@ -113,17 +112,17 @@ def _bisect_two_norms(pipeline):
     return bisect_rewrites(aten_graph(TwoNorms(), x), [x], Options.parse({"pipeline": pipeline}), 1e-4)
 
 
-def test_uncounted_change_before_any_rewrite_names_the_pass_without_an_index(monkeypatch):
-    monkeypatch.setitem(registry.all_passes(), "sneaky_add", _sneaky("sneaky_add", _eps_of_add_to_one))
-    outcome = _bisect_two_norms(["sneaky_add", "fuse_rms_norm"])
+def test_uncounted_change_before_any_rewrite_names_the_pass_without_an_index():
+    with scoped_passes(_sneaky("sneaky_add", _eps_of_add_to_one)):
+        outcome = _bisect_two_norms(["sneaky_add", "fuse_rms_norm"])
     found = outcome.found
     assert found.pass_name == "sneaky_add" and found.rewrite_index is None and found.node is None
     assert "allow_rewrite" in found.note and "1e-06)" in found.diff and ", 1)" in found.diff
 
 
-def test_uncounted_change_on_a_rewritten_node_names_that_pass_and_the_rewrite(monkeypatch):
-    monkeypatch.setitem(registry.all_passes(), "sneaky_eps", _sneaky("sneaky_eps", _eps_of_rms_norm_to_one))
-    outcome = _bisect_two_norms(["fuse_rms_norm", "sneaky_eps"])
+def test_uncounted_change_on_a_rewritten_node_names_that_pass_and_the_rewrite():
+    with scoped_passes(_sneaky("sneaky_eps", _eps_of_rms_norm_to_one)):
+        outcome = _bisect_two_norms(["fuse_rms_norm", "sneaky_eps"])
     found = outcome.found
     # The second norm rescales away what eps does to the first, so rewrite 1 is harmless even
     # with eps 1.0 and the error appears with rewrite 2, in sneaky_eps's output.
@@ -132,14 +131,14 @@ def test_uncounted_change_on_a_rewritten_node_names_that_pass_and_the_rewrite(mo
     assert "sneaky_eps" in found.note and found.rel_err_before <= 1e-4 < found.rel_err
 
 
-def test_bisect_on_a_small_graph_finds_the_second_rewrite(monkeypatch):
+def test_bisect_on_a_small_graph_finds_the_second_rewrite():
     from tests.debug.planted import RewriteEps
 
     bad = RewriteEps(wrong=1)
-    monkeypatch.setitem(registry.all_passes(), "rewrite_eps", bad)
     x = torch.randn(4, 16)
     gm = aten_graph(TwoNorms(), x)
-    outcome = bisect_rewrites(gm, [x], Options.parse({"pipeline": ["fuse_rms_norm", "rewrite_eps"]}), 1e-4)
+    with scoped_passes(bad):
+        outcome = bisect_rewrites(gm, [x], Options.parse({"pipeline": ["fuse_rms_norm", "rewrite_eps"]}), 1e-4)
     assert outcome.found.rewrite_pass == "rewrite_eps" and outcome.found.note is None
     # rewrites: 1, 2 = fuse_rms_norm; 3, 4 = rewrite_eps (the second of them wrong)
     assert (outcome.found.pass_name, outcome.found.rewrite_index, outcome.found.node) == ("rewrite_eps", 4, bad.wrong_anchor)

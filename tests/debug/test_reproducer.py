@@ -11,7 +11,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from graphopt import ir, registry
+from graphopt import ir
+from graphopt.registry import scoped_passes
 from graphopt.debug.graph_source import SourceError, graph_to_source, load_graph
 from graphopt.debug.reproducer import load_reproducer, write_reproducer
 from graphopt.pass_manager import NoOptions, PassResult
@@ -67,8 +68,8 @@ def test_replay_after_the_fix_exits_0(explode_repro, monkeypatch):
         def run(self, gm, ctx):
             return PassResult(gm, modified=False, stats={"matches": 0})
 
-    monkeypatch.setitem(registry.all_passes(), "explode", Fixed())
-    result = debug("--replay", str(repro))
+    with scoped_passes(Fixed()):
+        result = debug("--replay", str(repro))
     assert "not reproduced: pass explode now unchanged" in result.stdout
 
 

@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from graphopt import registry
+from graphopt.registry import scoped_passes
 from graphopt.cli.main import app
 from graphopt.fuzz.check import Reference, judge
 from graphopt.fuzz.generate import Settings
@@ -57,12 +58,12 @@ def test_targets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
 
 
 @pytest.fixture
-def planted_bug(monkeypatch):
+def planted_bug():
     """drop_weight_offset in the registry, right after fuse_rms_norm in the pipeline."""
-    monkeypatch.setitem(registry.all_passes(), "drop_weight_offset", DropWeightOffset())
-    pipeline = fuzz_pipeline()
-    pipeline.insert(pipeline.index("fuse_rms_norm") + 1, "drop_weight_offset")
-    return pipeline
+    with scoped_passes(DropWeightOffset()):
+        pipeline = fuzz_pipeline()
+        pipeline.insert(pipeline.index("fuse_rms_norm") + 1, "drop_weight_offset")
+        yield pipeline
 
 
 def test_planted_miscompilation_is_caught_shrunk_and_reproduced(planted_bug, monkeypatch, tmp_path):
@@ -80,8 +81,7 @@ def test_planted_miscompilation_is_caught_shrunk_and_reproduced(planted_bug, mon
     with pytest.raises(SystemExit) as exit_info:  # still failing: exit status 1
         runpy.run_path(str(folder / "repro.py"), run_name="__main__")
     assert exit_info.value.code == 1
-    monkeypatch.setitem(registry.all_passes(), "drop_weight_offset", Fixed())
-    with pytest.raises(SystemExit) as exit_info:  # the bug fixed: the reproducer passes
+    with scoped_passes(Fixed()), pytest.raises(SystemExit) as exit_info:  # the bug fixed: the reproducer passes
         runpy.run_path(str(folder / "repro.py"), run_name="__main__")
     assert exit_info.value.code == 0
 

@@ -12,6 +12,7 @@ import graphopt
 import graphopt.compiler
 from graphopt import ir, models
 from graphopt.errors import OptionsError
+from graphopt.pipeline import build_pass_manager
 from graphopt.ops.quant import dequantize_int4
 from graphopt.quant_report import int4_summary, logits_metrics
 from tests.helpers import aten_graph, compile_with_graphopt, count, eager, run_pass
@@ -171,7 +172,7 @@ def test_a_weight_read_twice_is_quantized_once(final_graph):
 ])
 def test_bad_options_fail_with_one_line(bad, message):
     with pytest.raises(OptionsError, match=message):
-        graphopt.compiler.PassManager.from_options(graphopt.Options.parse(
+        build_pass_manager(graphopt.Options.parse(
             {"pipeline": PIPE, "pass_options": {"quantize_int4": bad}}))
 
 

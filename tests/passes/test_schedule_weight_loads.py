@@ -10,6 +10,7 @@ from graphopt import ir, models
 from graphopt.compiler import run_pipeline
 from graphopt.config import Options
 from graphopt.errors import OptionsError
+from graphopt.pipeline import build_pass_manager
 from graphopt.passes.schedule_weight_loads import COMPUTE_OPS, SCHEDULE_META
 from tests.helpers import aten_graph, run_pass
 
@@ -147,7 +148,7 @@ def test_skips_graphs_without_computes():
 
 def test_bad_options_fail_with_one_line():
     with pytest.raises(OptionsError, match="lookahead must be an int >= 0"):
-        graphopt.compiler.PassManager.from_options(Options.parse(
+        build_pass_manager(Options.parse(
             {"pipeline": ["schedule_weight_loads"], "pass_options": {"schedule_weight_loads": {"lookahead": -1}}}))
 
 

@@ -91,12 +91,11 @@ def test_corrupt_model_gets_one_error_line(tmp_path, content, message, capsys, m
 
 
 def test_int4_without_the_quantization_pass_says_so(tmp_path, capsys, monkeypatch):
-    from graphopt import registry
+    from graphopt.registry import scoped_passes
 
-    passes = {k: v for k, v in registry.all_passes().items() if k != "quantize_int4"}
-    monkeypatch.setattr(registry, "all_passes", lambda: passes)
-    fails_with(["llama-tiny", "-o", str(tmp_path / "m.onnx"), "--int4"],
-               "--int4 needs the quantize_int4 pass, which this graphopt version does not have yet", capsys, monkeypatch)
+    with scoped_passes(remove=("quantize_int4",)):
+        fails_with(["llama-tiny", "-o", str(tmp_path / "m.onnx"), "--int4"],
+                   "--int4 needs the quantize_int4 pass, which this graphopt version does not have yet", capsys, monkeypatch)
 
 
 def test_kv_cache_export_generates_eager_tokens(tmp_path):
