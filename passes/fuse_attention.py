@@ -1,5 +1,5 @@
-"""Attention: ``softmax(q @ k^T * scale + mask) @ v  ->  graphopt.attention(q, k, v, mask, scale,
-is_causal)``, from the explicit form or from any of ATen's SDPA ops.
+"""Attention: ``softmax(cap(q @ k^T * scale) + mask) @ v  ->  graphopt.attention(q, k, v, mask, scale,
+is_causal, softcap)``, from the explicit form or from any of ATen's SDPA ops.
 
 Why: one op is what every backend lowers to its best kernel (a Triton flash kernel, ORT's
 GroupQueryAttention, TensorRT's attention layer), with GQA kept implicit: the k/v heads that
@@ -12,14 +12,18 @@ Spellings matched:
 - the explicit form of eager attention (transformers' ``attn_implementation="eager"``, older
   BERTs): ``matmul`` or its aot lowering ``expand -> view -> bmm -> view``, the scale as ``* c``
   or ``/ c``, an additive mask, ``_softmax`` with casts around it, eval-mode dropout after it;
+- soft-capped scores before the mask, ``tanh(s / c) * c`` (Gemma2's ``attn_logit_softcapping``,
+  Grok), in either operand order and through casts: any ``c' * tanh(a * s)`` is the cap |c'|
+  of the scores scaled by ``a * c'``, so the constants need not be written as one ``c``;
 - GQA through transformers' ``repeat_kv`` (``unsqueeze -> expand -> clone -> view`` of k and v):
   the op reads the [B, Hkv, S, D] tensors and the copies die.
 A mask ``where(m, 0, -inf)`` of a boolean m is passed as m. Layout-only copies in front of
 q/k/v (``permute -> clone -> permute back``, as fuse_rope leaves to keep strides) are looked
-through, so run fuse_rope first; the op's contiguous output is copied back to the layout the
+through, so fuse_rope runs first (``requires``); the op's contiguous output is copied back to the layout the
 replaced value had when a ``view`` after it depends on that.
 
-Preconditions: dropout_p is 0; the scale is a constant; the softmax runs over the last axis;
+Preconditions: dropout_p is 0; the scale and the cap are constants, the cap applies to the
+scaled scores before the mask add (a cap of ``s + mask`` is other math); the softmax runs over the last axis;
 the second operand of q @ k^T is k transposed on its last two dims; the mask broadcasts to
 [B, Hq, Sq, Skv] without widening the scores; ``is_causal`` only where Sq == Skv is known
 (SDPA aligns its causal mask top-left, graphopt.attention bottom-right: they agree only then);
@@ -37,9 +41,12 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt import ir
+from graphopt.passes._attention_operands import (
+    as_bool_mask, check_shapes, narrow_kv, perm, skip_layout_copies, strip_upcast,
+)
 from graphopt.rewrite import (
-    BATCHED_MATMUL_OPS, SDPA_OPS, SOFTMAX_OPS, VIEW_OPS, call_args, cast_like, expect, expect_op, is_cast,
-    is_op, NoMatch, PatternPass, restride_like, scalar, single_use, val,
+    BATCHED_MATMUL_OPS, MUL_OPS, SDPA_OPS, SOFTMAX_OPS, VIEW_OPS, call_args, cast_like, expect, expect_op,
+    is_cast, is_op, NoMatch, PatternPass, restride_like, scalar, single_use, val,
 )
 
 aten = torch.ops.aten
@@ -56,107 +63,7 @@ class AttentionMatch:
     is_causal: bool
     output: fx.Node  # the node whose value the op replaces
     sdpa: fx.Node | None = None  # the SDPA op, when the match starts from one
-
-
-# ---------------------------------------------------------------- shared helpers
-
-def _perm(node: fx.Node) -> list[int] | None:
-    """The permutation a permute/transpose node applies, or None."""
-    if is_op(node, aten.permute.default):
-        return [d % val(node).dim() for d in node.args[1]]
-    if is_op(node, aten.transpose.int):
-        rank = val(node).dim()
-        a, b = (d % rank for d in node.args[1:3])
-        order = list(range(rank))
-        order[a], order[b] = order[b], order[a]
-        return order
-    return None
-
-
-def _skip_layout_copies(node: Any) -> Any:
-    """Look through copies that change only the memory layout: ``clone`` and ``permute -> clone
-    -> permute back``. The op reads values, not strides, so the copies die."""
-    for _ in range(4):
-        outer = _perm(node)
-        if is_op(node, aten.clone.default) and node.kwargs.get("memory_format") in (
-                None, torch.contiguous_format, torch.preserve_format):
-            node = node.args[0]
-        elif outer is not None and is_op(node.args[0], aten.clone.default) \
-                and _perm(node.args[0].args[0]) is not None \
-                and [_perm(node.args[0].args[0])[d] for d in outer] == sorted(outer):
-            node = node.args[0].args[0].args[0]
-        else:
-            break
-    return node
-
-
-def _unrepeat_kv(node: fx.Node) -> tuple[fx.Node, int] | None:
-    """(kv, groups) for transformers' repeat_kv: ``view(clone(expand(kv[:, :, None], [B, Hkv, n, S, D])),
-    [B, Hkv * n, S, D])``; None for any other tensor."""
-    if not is_op(node, *VIEW_OPS):
-        return None
-    inner = node.args[0]
-    if is_op(inner, aten.clone.default):
-        inner = inner.args[0]
-    if not is_op(inner, aten.expand.default) or not is_op(inner.args[0], aten.unsqueeze.default):
-        return None
-    unsq = inner.args[0]
-    kv = unsq.args[0]
-    if unsq.args[1] % 5 != 2 or val(kv).dim() != 4:
-        return None
-    b, hkv, s, d = val(kv).shape
-    wide = tuple(val(inner).shape)
-    if wide[:2] != (b, hkv) or wide[3:] != (s, d):
-        return None
-    if tuple(val(node).shape) != (b, hkv * wide[2], s, d):
-        return None
-    return kv, wide[2]
-
-
-def _narrow_kv(k: fx.Node, v: fx.Node) -> tuple[fx.Node, fx.Node]:
-    """k and v before repeat_kv when both went through it with the same group count."""
-    k, v = _skip_layout_copies(k), _skip_layout_copies(v)
-    rk, rv = _unrepeat_kv(k), _unrepeat_kv(v)
-    if rk is not None and rv is not None and rk[1] == rv[1]:
-        return _skip_layout_copies(rk[0]), _skip_layout_copies(rv[0])
-    return k, v
-
-
-def _strip_upcast(node: Any) -> Any:
-    """x for ``x.float()`` of a narrower float x: the op computes in float32 anyway."""
-    if is_cast(node) and val(node).dtype == torch.float32 and val(node.args[0]).dtype in (
-            torch.float16, torch.bfloat16):
-        return node.args[0]
-    return node
-
-
-def _as_bool_mask(mask: Any) -> Any:
-    """m for ``where(m, 0, -inf)`` of a boolean m (how SDPA's callers turn m additive): the op
-    takes m itself and reads one byte per element instead of four."""
-    if is_op(mask, aten.where.self) and val(mask.args[0]).dtype == torch.bool \
-            and scalar(mask.args[1]) == 0.0 and scalar(mask.args[2]) == float("-inf") \
-            and tuple(val(mask.args[0]).shape) == tuple(val(mask).shape):
-        return mask.args[0]
-    return mask
-
-
-def _check_shapes(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        expect(isinstance(val(t), torch.Tensor) and val(t).dim() == 4,
-               f"{name} has rank {val(t).dim() if isinstance(val(t), torch.Tensor) else '?'}, expected 4 "
-               "[B, H, S, D]", t)
-    (b, hq, sq, d), (bk, hkv, skv, dk), (bv, hv, sv, _) = val(q).shape, val(k).shape, val(v).shape
-    expect(b == bk == bv, f"batch sizes {b}, {bk}, {bv} of q, k, v differ", k)
-    expect(hkv == hv and skv == sv, f"k [.., {hkv}, {skv}, ..] and v [.., {hv}, {sv}, ..] differ", v)
-    expect(d == dk, f"q head dim {d} != k head dim {dk}", k)
-    expect(hq % hkv == 0, f"k/v heads {hkv} do not divide q heads {hq}", k)
-    if mask is None:
-        return
-    expect(isinstance(mask, fx.Node) and isinstance(val(mask), torch.Tensor), "mask is not a tensor")
-    target = [b, hq, sq, skv]
-    shape = list(val(mask).shape)
-    fits = len(shape) <= 4 and all(m in (1, t) for m, t in zip(reversed(shape), reversed(target)))
-    expect(fits, f"mask {shape} does not broadcast to [B, Hq, Sq, Skv] = {target}", mask)
+    softcap: float = 0.0  # 0: the scores are not capped
 
 
 def _call(graph: fx.Graph, target, *args, **kwargs) -> fx.Node:
@@ -186,10 +93,10 @@ def _match_sdpa(node: fx.Node) -> AttentionMatch:
         firsts = [u for u in readers if u.args[1] == 0]
         expect(len(firsts) == 1, f"output 0 is read {len(firsts)} times, expected once", node)
         output = firsts[0]
-    q = _skip_layout_copies(node.args[0])
-    k, v = _narrow_kv(node.args[1], node.args[2])
-    _check_shapes(q, k, v, mask)
-    mask = _as_bool_mask(mask)
+    q = skip_layout_copies(node.args[0])
+    k, v = narrow_kv(node.args[1], node.args[2])
+    check_shapes(q, k, v, mask)
+    mask = as_bool_mask(mask)
     if is_causal:
         sq, skv = val(q).shape[-2], val(k).shape[-2]
         expect(statically_known_true(sq == skv),
@@ -285,11 +192,38 @@ def _split_scale(node: fx.Node) -> tuple[fx.Node, float]:
             return node, scale
 
 
+def _through_casts(node: Any) -> Any:
+    while is_cast(node):
+        node = node.args[0]
+    return node
+
+
+def _split_softcap(node: Any) -> tuple[Any, float, float]:
+    """(inner, cap, scale factor) for a soft cap ``c * tanh(inner)``: ``c * tanh(a * s)`` equals
+    ``|c| * tanh(a * c * s / |c|)``, so the cap is |c| and the scores' scale gains a factor c.
+    (node, 0.0, 1.0) when node is no capped value."""
+    outer = _through_casts(node)
+    if not is_op(outer, *MUL_OPS) or not any(is_op(_through_casts(a), aten.tanh.default) for a in outer.args[:2]):
+        return node, 0.0, 1.0
+    while node is not outer:  # casts between the cap and the mask add
+        node = single_use(node, "soft-capped scores cast").args[0]
+    single_use(outer, "soft-capped scores")
+    a, b = outer.args[:2]
+    tanh, factor = (a, b) if is_op(_through_casts(a), aten.tanh.default) else (b, a)
+    expect(scalar(factor) is not None, "softcap: tanh(scores) is multiplied by a non-constant", outer)
+    cap = scalar(factor)
+    expect(cap != 0.0, "softcap: tanh(scores) is multiplied by 0", outer)
+    while is_cast(tanh):
+        tanh = single_use(tanh, "soft-capped scores cast").args[0]
+    single_use(tanh, "tanh of the scores")
+    return tanh.args[0], abs(cap), cap
+
+
 def _is_scores(node: Any) -> bool:
-    """Whether ``node`` is q @ k^T under casts and constant scales (and not, say, a mask
-    built as ``(1 - m) * -1e4``)."""
-    for _ in range(6):
-        if is_cast(node):
+    """Whether ``node`` is q @ k^T under casts, constant scales and a tanh soft cap (and not,
+    say, a mask built as ``(1 - m) * -1e4``)."""
+    for _ in range(8):
+        if is_cast(node) or is_op(node, aten.tanh.default):
             node = node.args[0]
         elif is_op(node, aten.mul.Tensor, aten.mul.Scalar) and scalar(node.args[0]) is not None:
             node = node.args[1]
@@ -326,16 +260,21 @@ def _match_explicit(anchor: fx.Node) -> AttentionMatch:
     if mask is not None and isinstance(val(mask), torch.Tensor):
         expect(val(masked).shape == val(scores).shape, f"mask {list(val(mask).shape)} broadcasts the scores "
                f"{list(val(scores).shape)} up to {list(val(masked).shape)}", masked)
-    raw, scale = _split_scale(scores)
+    inner, softcap, factor = _split_softcap(scores)
+    raw, scale = _split_scale(inner)
+    if softcap:
+        expect(_is_scores(raw), "softcap: tanh's input is not the scaled q @ k^T (a cap after the mask "
+               "add is not the capped-scores attention)", raw)
+    scale *= factor
     single_use(raw, "attention scores")
     q, kt, _ = _matmul_operands(raw, "q @ k^T")
-    order = _perm(kt)
+    order = perm(kt)
     expect(order == [0, 1, 3, 2],
            "k is not transposed on the last two dims" + (f" (permutation {order})" if order else ""), kt)
-    q = _skip_layout_copies(_strip_upcast(q))
-    k, v = _narrow_kv(_strip_upcast(kt.args[0]), _strip_upcast(v))
-    _check_shapes(q, k, v, mask)
-    return AttentionMatch(q, k, v, _as_bool_mask(mask), scale, False, out)
+    q = skip_layout_copies(strip_upcast(q))
+    k, v = narrow_kv(strip_upcast(kt.args[0]), strip_upcast(v))
+    check_shapes(q, k, v, mask)
+    return AttentionMatch(q, k, v, as_bool_mask(mask), scale, False, out, softcap=softcap)
 
 
 def _feeds_on_softmax(anchor: fx.Node) -> bool:
@@ -361,11 +300,16 @@ class FuseAttention(PatternPass):
     name = "fuse_attention"
     summary = "softmax(q k^T * scale + mask) v and the SDPA ops -> graphopt.attention (GQA implicit)"
     anchors = SDPA_OPS + BATCHED_MATMUL_OPS
+    # Its k/v matching looks through the permute -> clone -> permute copies that fuse_rope
+    # leaves in front of attention; without fuse_rope those copies would split the match.
+    requires = ("fuse_rope",)
 
-    def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
-        # A matmul is a candidate only when it multiplies softmax probabilities: the other
-        # matmuls of a model (q @ k^T included) are no attention and no near miss.
-        return [n for n in super().candidates(gm) if n.target in SDPA_OPS or _feeds_on_softmax(n)]
+    def screen(self, anchor: fx.Node) -> str | None:
+        # A matmul is worth matching only when it multiplies softmax probabilities: the other
+        # matmuls of a model (q @ k^T included) are no attention.
+        if anchor.target in SDPA_OPS or _feeds_on_softmax(anchor):
+            return None
+        return "its first operand is no softmax output (not probs @ v)"
 
     def match(self, anchor: fx.Node, options) -> AttentionMatch:
         if anchor.target in SDPA_OPS:
@@ -375,7 +319,8 @@ class FuseAttention(PatternPass):
     def rewrite(self, gm: fx.GraphModule, m: AttentionMatch, options) -> None:
         g = gm.graph
         with g.inserting_before(m.output):
-            fused = _call(g, torch.ops.graphopt.attention.default, m.q, m.k, m.v, m.mask, m.scale, m.is_causal)
+            args = (m.q, m.k, m.v, m.mask, m.scale, m.is_causal) + ((m.softcap,) if m.softcap else ())
+            fused = _call(g, torch.ops.graphopt.attention.default, *args)
             result = restride_like(g, cast_like(gm, fused, m.output), m.output)
         m.output.replace_all_uses_with(result)
         if m.sdpa is not None:

@@ -30,13 +30,17 @@ def attention(
     mask: Tensor | None = None,
     scale: float | None = None,
     is_causal: bool = False,
+    softcap: float = 0.0,
 ) -> Tensor:
-    """``softmax(q k^T * scale + mask) v`` for q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv].
+    """``softmax(cap(q k^T * scale) + mask) v`` for q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv].
 
     Hq must be a multiple of Hkv (grouped-query attention: each k/v head serves
     Hq / Hkv query heads). ``mask`` is boolean (True = attend) or additive, and
     broadcasts to [B, Hq, Sq, Skv]. ``is_causal`` is bottom-right aligned. The scale
-    defaults to 1/sqrt(D). Scores and softmax are computed in float32.
+    defaults to 1/sqrt(D). ``softcap`` > 0 bounds the scaled scores to (-softcap, softcap)
+    as ``tanh(s / softcap) * softcap`` before the mask (Gemma2's ``attn_logit_softcapping``,
+    ONNX Runtime GroupQueryAttention's ``softcap``); 0 leaves them as they are. Scores and
+    softmax are computed in float32.
     """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -44,6 +48,8 @@ def attention(
         v = v.repeat_interleave(groups, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
@@ -57,7 +63,9 @@ def attention(
 
 
 @attention.register_fake
-def _(q, k, v, mask=None, scale=None, is_causal=False):
+def _(q, k, v, mask=None, scale=None, is_causal=False, softcap=0.0):
+    if softcap < 0.0:
+        raise ValueError(f"softcap {softcap} is negative; pass 0 for no cap")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads {q.shape[1]} are not a multiple of kv heads {k.shape[1]}")
     return q.new_empty((*q.shape[:-1], v.shape[-1]))

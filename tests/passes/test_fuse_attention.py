@@ -16,7 +16,7 @@ import graphopt.models
 from graphopt import ir
 from tests.helpers import aten_graph, assert_matches_eager, compile_with_graphopt, count, eager, run_pass
 
-PIPE = ["canonicalize", "fuse_attention"]
+PIPE = ["canonicalize", "fuse_rope", "fuse_attention"]
 B, H, S, D = 2, 4, 8, 16
 aten = torch.ops.aten
 
