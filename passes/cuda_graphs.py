@@ -53,7 +53,9 @@ HOST_SYNC = {
 
 @dataclass
 class Options:
-    min_region_ops: int = 1  # regions with fewer ops run eagerly: a replay costs about one launch
+    # a replay costs about one launch, so a shorter region gains nothing from capture
+    min_region_ops: int = field(default=1, metadata={
+        "help": "capture only regions of at least this many ops; shorter ones run eagerly"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_region_ops, int) or self.min_region_ops < 1:

@@ -250,13 +250,16 @@ def _call(graph: fx.Graph, target, *args) -> fx.Node:
 
 # ---------------------------------------------------------------- the pass
 
-def _looks_like_rope(add: fx.Node) -> bool:
+def _not_rope(add: fx.Node) -> str | None:
+    """Why ``add`` is no rope at all (residuals, biases), or None when it may be one."""
     terms = add.args[:2]
     if len(terms) != 2 or not all(is_op(t, aten.mul.Tensor) for t in terms):
-        return False
+        return "not a sum of two products"
     factors = [f for t in terms for f in t.args]
-    return any(is_op(f, aten.cat.default) or (is_op(f, *VIEW_OPS) and is_op(f.args[0], aten.stack.default))
-               for f in factors)
+    if not any(is_op(f, aten.cat.default) or (is_op(f, *VIEW_OPS) and is_op(f.args[0], aten.stack.default))
+               for f in factors):
+        return "no factor is a cat or a flattened stack (no rotate)"
+    return None
 
 
 class FuseRope(PatternPass):
@@ -264,10 +267,9 @@ class FuseRope(PatternPass):
     summary = "x * cos + rotate(x) * sin -> graphopt.rope (rotate-half, interleaved, partial, BSHD)"
     anchors = (aten.add.Tensor,)
 
-    def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
-        # Only sums of two products with a cat or a flattened stack among their factors:
-        # every other add in a model (residuals, biases) is no rope and no near miss.
-        return [n for n in super().candidates(gm) if _looks_like_rope(n)]
+    def screen(self, add: fx.Node) -> str | None:
+        # Every other add in a model (residuals, biases) is no rope: --why groups them by reason.
+        return _not_rope(add)
 
     def match(self, add: fx.Node, options) -> RopeMatch:
         expect("alpha" not in add.kwargs and len(add.args) == 2, "add has an alpha", add)

@@ -46,12 +46,15 @@ INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantize
 
 @dataclass
 class Int4Options:
-    group_size: int = 32  # weights per scale along K: 32, 64 or 128
-    symmetric: bool = True  # no zero points (implied 8); False stores 4-bit zero points per group
-    scale_dtype: str = "float16"  # float16 | bfloat16 | float32
-    skip: list = field(default_factory=list)  # fnmatch patterns on parameter names, e.g. ["*lm_head*"]
-    min_size: int = 0  # leave weights with fewer elements in full precision
-    search: str = "mse"  # "mse": per-group clipping / scale search; "rtn": round-to-nearest
+    group_size: int = field(default=32, metadata={"help": "weights per scale along K: 32, 64 or 128"})
+    symmetric: bool = field(default=True, metadata={
+        "help": "no zero points (an implied 8); false stores a 4-bit zero point per group"})
+    scale_dtype: str = field(default="float16", metadata={"help": "dtype of the scales: float16 | bfloat16 | float32"})
+    skip: list = field(default_factory=list, metadata={
+        "help": 'fnmatch patterns of parameter names to leave in full precision, e.g. ["*lm_head*"]'})
+    min_size: int = field(default=0, metadata={"help": "leave weights with fewer elements in full precision"})
+    search: str = field(default="mse", metadata={
+        "help": "mse: per-group clipping / scale search; rtn: round-to-nearest"})
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:

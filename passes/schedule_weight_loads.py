@@ -32,7 +32,7 @@ decision under ``decisions`` (``graphopt debug --json``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -54,8 +54,10 @@ COMPUTE_OPS = frozenset({
 
 @dataclass
 class ScheduleOptions:
-    lookahead: int = 1  # issue a layer's weight loads this many compute nodes before its own
-    max_inflight_bytes: int = 0  # cap on weight bytes fetched but not yet consumed; 0 = no cap
+    lookahead: int = field(default=1, metadata={
+        "help": "issue a layer's weight loads this many compute nodes before its own"})
+    max_inflight_bytes: int = field(default=0, metadata={
+        "help": "cap on weight bytes fetched but not yet consumed; 0: no cap"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.lookahead, int) or self.lookahead < 0:

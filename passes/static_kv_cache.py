@@ -55,10 +55,12 @@ KV_DTYPES = ("auto", "int8")
 
 @dataclass
 class Options:
-    max_length: int = 0  # positions the static cache holds; 0 leaves the graph alone (generate sets it)
-    layout: str = "bhsd"  # bhsd | bshd | paged
-    block_size: int = 16  # positions per block of the paged layout
-    kv_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales)
+    max_length: int = field(default=0, metadata={
+        "help": "positions the static cache holds; 0 leaves the graph alone (graphopt.generate sets it)"})
+    layout: str = field(default="bhsd", metadata={"help": "cache layout: bhsd | bshd | paged"})
+    block_size: int = field(default=16, metadata={"help": "positions per block of the paged layout"})
+    kv_dtype: str = field(default="auto", metadata={
+        "help": "auto (the model's dtype) | int8 (per-token, per-head scales)"})
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:

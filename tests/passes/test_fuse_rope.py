@@ -307,3 +307,23 @@ def test_transformers_models_rope_per_layer_and_match_eager(name):
     assert count(report, "graphopt.rope") == 2 * 2  # 2 layers, q and k rotate apart
     assert [m for m in report.near_misses if m.pass_name == "fuse_rope"] == []
     assert_matches_eager(out, eager(module, ids), rel=1e-5)
+
+
+def test_skips_adds_that_are_no_rope_with_a_screened_reason():
+    """Residual and bias adds are dismissed before matching, each with its reason, so
+    `graphopt debug --why fuse_rope` can say why nothing fired (grouped, not as near misses)."""
+    from tests.helpers import aten_graph, run_pass
+
+    class Adds(nn.Module):
+        def forward(self, x, y):
+            residual = x + y
+            products = x * y + y * 2.0  # two products, but no rotate among their factors
+            return residual + products
+
+    x, y = torch.randn(B, H, S, D), torch.randn(B, H, S, D)
+    result = run_pass("fuse_rope", aten_graph(Adds(), x, y))
+    assert result.stats["matches"] == 0
+    assert all(m.screened for m in result.near_misses)
+    assert sorted(m.reason for m in result.near_misses) == [
+        "no factor is a cat or a flattened stack (no rotate)", "not a sum of two products",
+        "not a sum of two products"]

@@ -226,3 +226,14 @@ def _ops(gm: fx.GraphModule) -> list[str]:
     from graphopt.ir import target_name
 
     return [target_name(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def test_skips_norms_without_a_softmax_with_a_screened_reason():
+    """A norm of anything but a softmax is screened out with its reason (for --why), not a near miss."""
+
+    def fn(x, w):
+        return torch.ops.graphopt.rms_norm.default(x * 2, w, 1e-6, 0.0)
+
+    result = run_pass(PASS, _traced(fn, torch.randn(4, 8), torch.randn(8)))
+    assert result.stats["matches"] == 0
+    assert [(m.screened, m.reason) for m in result.near_misses] == [(True, "the norm's input is no softmax")]
