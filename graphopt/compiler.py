@@ -20,7 +20,7 @@ from graphopt.errors import BackendFailed, GraphoptError, TargetUnavailable
 from graphopt.instrument import NumericCheck
 from graphopt.pass_manager import Instrument, PassContext, PipelineResult
 from graphopt.pipeline import build_pass_manager
-from graphopt.report import CompileReport, record
+from graphopt.report import CompileReport, building_for, record
 from graphopt.targets import get_target, resolve_target
 
 log = logging.getLogger("graphopt")
@@ -43,6 +43,9 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, conf
     start = time.perf_counter()
     report = CompileReport(target="eager", requested_target=config.target, frontend=frontend,
                            frozen_weights=frozen_weights, nodes_in=ir.node_count(gm), notes=list(notes))
+    if frontend == "dynamo" and (reason := dynamo_recompile_reason()):
+        report.recompile_reason = reason
+        log.info("graphopt: dynamo recompiles a graph because a guard failed: %s", reason)
     result, _ = run_pipeline(gm, config, example_inputs)
     report.passes, report.rewrites = result.records, result.rewrites
     # Screened anchors (every mul that is no gated MLP) are for `graphopt debug --why`, not the report.
@@ -51,10 +54,23 @@ def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, conf
     optimized = result.gm
     report.op_counts = ir.op_counts(optimized)
     report.nodes_out = ir.node_count(optimized)
-    compiled = lower(optimized, example_inputs, config, report)
+    with building_for(report):  # targets record their exports / sessions / kernels on it
+        compiled = lower(optimized, example_inputs, config, report)
     report.compile_s = time.perf_counter() - start
     record(report)
     return compiled
+
+
+def dynamo_recompile_reason() -> str | None:
+    """Why dynamo is compiling this frame again (``0/0: tensor 'input_ids' size mismatch at
+    index 1. expected 5, actual 7``), from the compile's metrics; None on a first compile."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        return context._metrics.get("recompile_reason") if context.in_progress() else None  # noqa: SLF001
+    except Exception:  # a private torch detail: without it the log line is all that is lost
+        return None
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,

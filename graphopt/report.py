@@ -3,11 +3,20 @@
 ``CompileReport.to_dict()`` is a stable interface (the CLI's ``--json`` prints it):
 ``backend``, ``target``, ``passes`` (``name, matches, time_ms, nodes_before,
 nodes_after`` and more, in the order run), ``op_counts`` (graphopt ops named
-``graphopt.<op>``), ``fallbacks`` (``where, reason``).
+``graphopt.<op>``), ``fallbacks`` (``where, reason``), ``builds`` (``what, shapes,
+dynamic_dims, seconds``: every export, session or kernel a target built for this graph,
+also those built later, at run time), ``recompile_reason`` (the dynamo guard whose failure
+made this graph, or None).
+
+A target records a build with :func:`record_build` while it compiles (the compiler makes the
+graph's report current around ``target.compile``), or on the report it took from
+:func:`current_report` when it builds lazily, at run time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +41,19 @@ class CompileReport:
     nodes_out: int = 0
     compile_s: float = 0.0
     graph_index: int = -1
+    builds: list[dict] = field(default_factory=list)
+    recompile_reason: str | None = None
 
     def add_fallback(self, where: str, reason: str) -> None:
         self.fallbacks.append({"where": where, "reason": reason})
+
+    def record_build(self, what: str, shapes: list, dynamic_dims: list[str], seconds: float, **detail: Any) -> None:
+        """One build: ``what`` ("onnxruntime session"), the input ``shapes`` it serves (a
+        symbolic size as its name, ``[1, "s0"]``), which ``dynamic_dims`` it keeps open, and
+        how long it took; ``detail`` adds keys (a breakdown of the seconds)."""
+        with _lock:  # a lazy build may run on another thread than the reader
+            self.builds.append({"what": what, "shapes": shapes, "dynamic_dims": list(dynamic_dims),
+                                "seconds": round(seconds, 4), **detail})
 
     def fused_op_counts(self) -> dict[str, int]:
         return {k: v for k, v in self.op_counts.items() if k.startswith("graphopt.")}
@@ -59,12 +78,37 @@ class CompileReport:
             "nodes_in": self.nodes_in,
             "nodes_out": self.nodes_out,
             "compile_s": self.compile_s,
+            "builds": [dict(b) for b in self.builds],
+            "recompile_reason": self.recompile_reason,
             "int4": int4_summary({"passes": passes}),  # None unless quantize_int4 ran
         }
 
 
 _lock = threading.Lock()
 _reports: list[CompileReport] = []
+_current: contextvars.ContextVar[CompileReport | None] = contextvars.ContextVar("graphopt_report", default=None)
+
+
+@contextlib.contextmanager
+def building_for(report: CompileReport):
+    """Make ``report`` the one :func:`record_build` and :func:`current_report` see."""
+    token = _current.set(report)
+    try:
+        yield report
+    finally:
+        _current.reset(token)
+
+
+def current_report() -> CompileReport | None:
+    """The report of the graph being compiled (None outside a compile, e.g. ``graphopt export``)."""
+    return _current.get()
+
+
+def record_build(what: str, shapes: list, dynamic_dims: list[str], seconds: float, **detail: Any) -> None:
+    """Record a build on the current report; a build outside any compile is not reported."""
+    report = _current.get()
+    if report is not None:
+        report.record_build(what, shapes, dynamic_dims, seconds, **detail)
 
 
 def record(report: CompileReport) -> CompileReport:
