@@ -6,10 +6,13 @@ ATen ops it has no direct translation for, and translates graphopt ops with our 
 are buffers of the GraphModule and become initializers.
 
 Dynamic axes: a graph whose inputs have symbolic sizes (torch.export with dynamic_shapes,
-the ``graphopt export`` path) keeps those axes dynamic in the ONNX model; a graph with static
-shapes (a torch.compile graph) is exported static, which lets ORT plan memory once.
-Non-tensor inputs (a SymInt a dynamo graph takes) are baked in with the example values,
-and non-tensor outputs are remembered as constants, since an ONNX model passes tensors only.
+the ``graphopt export`` path, or a dynamo graph after its automatic-dynamic recompile) keeps
+those axes dynamic in the ONNX model; a graph with static shapes is exported static, which
+lets ORT plan memory once. An ONNX model passes tensors only, so a non-tensor input is either
+read from a tensor input's size (``sizes_from``: a dynamo graph's SymInt ``s0`` is the length
+of some input axis) or baked in with its example value; a non-tensor output is a constant of
+a static export, and ``("sym", i)`` in ``output_plan`` of a dynamic one (the caller computes
+it from the run's input sizes).
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class OnnxModel:
     model: Any  # onnx_ir.Model
     input_names: list[str]
     output_names: list[str]
-    # Position of each output of the graph: an ONNX output index, or ("const", value).
+    # Position of each output of the graph: an ONNX output index, ("const", value), or
+    # ("sym", i) for a symbolic size the caller computes from the inputs' sizes at run time.
     output_plan: list[Any] = field(default_factory=list)
     cached_attention: int = 0  # attentions lowered to GroupQueryAttention with past/present
 
@@ -128,25 +132,32 @@ def _constant_behind(value):
 class _TensorsOnly(torch.nn.Module):
     """The graph with its non-tensor inputs fixed and its non-tensor outputs left out."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any],
+                 sizes_from: dict[int, tuple[int, int]] | None = None) -> None:
         super().__init__()
         self.gm = gm
-        self.fixed = {i: v for i, v in enumerate(example_inputs) if not isinstance(v, torch.Tensor)}
+        self.sizes_from = dict(sizes_from or {})  # input index -> (tensor input index, axis)
+        self.fixed = {i: v for i, v in enumerate(example_inputs)
+                      if not isinstance(v, torch.Tensor) and i not in self.sizes_from}
+        self.tensor_positions = [i for i, v in enumerate(example_inputs) if isinstance(v, torch.Tensor)]
         self.count = len(example_inputs)
         # Filled while torch.export traces forward. A plain object, not a list attribute:
         # non-strict export restores the module's own containers after tracing.
         self.record = _Record()
 
     def forward(self, *tensors: torch.Tensor):
-        it = iter(tensors)
-        args = [self.fixed[i] if i in self.fixed else next(it) for i in range(self.count)]
+        given = dict(zip(self.tensor_positions, tensors))
+        args = [given[i] if i in given else self.fixed[i] if i in self.fixed
+                else given[self.sizes_from[i][0]].shape[self.sizes_from[i][1]] for i in range(self.count)]
         outputs = self.gm(*args)
         flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
         plan, kept = [], []
-        for value in flat:
+        for position, value in enumerate(flat):
             if isinstance(value, torch.Tensor):
                 plan.append(len(kept))
                 kept.append(value)
+            elif isinstance(value, torch.SymInt) and not value.node.is_constant():
+                plan.append(("sym", position))  # int() here would pin the export to this size
             else:
                 plan.append(("const", int(value) if isinstance(value, torch.SymInt) else value))
         self.record.plan = plan
@@ -191,11 +202,16 @@ def _dynamic_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
 def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: bool = True,
                  opset: int | None = None, input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None,
-                 axis_names: Sequence[dict[int, str] | None] | None = None) -> OnnxModel:
-    """Export ``gm`` (an optimized ATen graph) to ONNX; raise UnsupportedOp / OnnxExportError."""
+                 axis_names: Sequence[dict[int, str] | None] | None = None,
+                 sizes_from: dict[int, tuple[int, int]] | None = None) -> OnnxModel:
+    """Export ``gm`` (an optimized ATen graph) to ONNX; raise UnsupportedOp / OnnxExportError.
+
+    ``sizes_from`` {input index: (tensor input index, axis)}: non-tensor inputs to compute
+    from a tensor input's size instead of baking in their example value.
+    """
     table = translation_table()
     prepared, cached = lowering.prepare(gm, table)
-    wrapper = _TensorsOnly(prepared, example_inputs)
+    wrapper = _TensorsOnly(prepared, example_inputs, sizes_from)
     tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
     dynamic_shapes = _dynamic_shapes(prepared, example_inputs, axis_names) if dynamic else None
     names = [{a: d.__name__ for a, d in spec.items()} if spec else None for spec in dynamic_shapes[0]] \

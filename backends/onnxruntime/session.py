@@ -48,7 +48,7 @@ def provider_problem(provider: str) -> str | None:
 
 
 def create_session(model: Any, provider: str = "cpu", *, threads: int | None = None, spin: bool = False,
-                   profile_prefix: str | None = None, options: Any = None):
+                   profile_prefix: str | None = None, options: Any = None, arena: bool = True):
     """An InferenceSession for an OnnxModel, serialized bytes or a path, on ``provider``.
 
     ``spin=False`` (the default) stops ORT's intra-op threads from busy-waiting after each
@@ -56,6 +56,10 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     between graphs of a torch.compile'd model, or the other session of a prefill/decode
     pair. On this 2-core machine, with llama-small, turning it off took a prefill from
     316 to 250 ms and a decode step from 63.8 to 56.0 ms (two sessions taking turns).
+
+    ``arena=False`` turns ORT's CPU memory arena off. A model with dynamic axes needs it off:
+    the arena keeps every block it ever grew to, so one long prompt would pin that much
+    memory for the life of the session.
 
     A model over 2 GB is written to a temporary folder with external data and loaded from
     there (protobuf cannot hold it in memory); the folder lives as long as the session.
@@ -69,6 +73,8 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     session_options.log_severity_level = 3  # ORT's warnings about unused initializers are noise here
     if threads:
         session_options.intra_op_num_threads = threads
+    if not arena:
+        session_options.enable_cpu_mem_arena = False
     if not spin:
         session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix:

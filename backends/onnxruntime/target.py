@@ -6,25 +6,35 @@ The graph is exported with graphopt ops as ORT's fused ops (``export.py``) and r
 ``OnnxExportError`` naming the op, and the core's ``lower()`` runs it eagerly instead, with
 a warning and a report entry.
 
-Shapes: a torch.compile graph with static shapes is exported once, at compile time, so an
-export problem shows up there. A graph with symbolic shapes (dynamo's dynamic=True) is
-exported for each new input signature on first use and kept (up to ``MAX_SPECIALIZATIONS``),
-since a dynamo graph's SymInt inputs and outputs have no ONNX counterpart.
+Shapes: one export and one session per graph, at compile time, so an export problem shows
+up there. A graph with static shapes is exported static (ORT plans its memory once). A graph
+with symbolic sizes (dynamo's automatic-dynamic recompile after a second shape,
+``dynamic=True``, ``mark_dynamic``) is exported once with those axes dynamic and serves every
+shape from one session: the SymInt inputs a dynamo graph takes (``s0``) are read from the
+tensor input axis of the same size inside the model, and SymInt outputs are computed from the
+run's input sizes. Only where that cannot work (a SymInt that is no input axis's size, or an
+export that fails with dynamic axes) does the graph fall back to one static model per input
+signature (``_PerSignature``, up to ``MAX_SPECIALIZATIONS``), with a warning and a note.
+Every export + session is a build in the graph's report.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
-from collections import OrderedDict
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
+from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
+
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
 MAX_SPECIALIZATIONS = 8
+log = logging.getLogger("graphopt")
 
 
 def missing_package() -> str | None:
@@ -51,9 +61,12 @@ class OnnxRuntimeTarget:
         from graphopt.backends.onnxruntime.translations import translation_table
 
         lowering.check_translations(gm, translation_table())  # name a missing op before any tracing
-        if example_inputs is None or _has_symbolic_shapes(gm):
-            return _PerSignature(gm, config.provider)
-        return _compile_static(gm, list(example_inputs), config.provider)
+        if not _has_symbolic_shapes(gm):
+            inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
+            if inputs is not None:
+                return _compile_static(gm, inputs, config.provider)
+            return _per_signature(gm, config.provider, "its inputs carry no example values")
+        return _compile_symbolic(gm, config.provider)
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -82,27 +95,83 @@ def _output_specs(gm: fx.GraphModule) -> list | None:
     return specs
 
 
-def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str) -> Callable:
+def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, dynamic: bool,
+                   sizes_from: dict | None = None, report=None):
+    """Export ``gm`` and open its session; record the build on the graph's report."""
+    from graphopt import report as reports
     from graphopt.backends.onnxruntime.export import export_graph
-    from graphopt.backends.onnxruntime.session import SessionRunner, create_session
+    from graphopt.backends.onnxruntime.session import create_session
 
-    model = export_graph(gm, example_inputs, dynamic=False)
+    report = report or reports.current_report()
+    start = time.perf_counter()
+    # In a fresh thread: torch.export would otherwise pick up dynamo's tracing context and
+    # fake mode (thread-locals) and add its symbols and guards to the graph being compiled.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from).result()
+    exported = time.perf_counter()
     try:
-        session = create_session(model, provider)
+        session = create_session(model, provider, arena=not dynamic)
     except Exception as error:
         raise _missing_kernel(error, model, provider) or error
-    runner = SessionRunner(session, _output_specs(gm))
+    done = time.perf_counter()
+    shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
+    if report is not None:
+        report.record_build("onnxruntime session", shapes, dims, done - start,
+                            export_s=round(exported - start, 4), session_s=round(done - exported, 4))
+    return model, session
+
+
+def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, report=None) -> Callable:
+    from graphopt.backends.onnxruntime.session import SessionRunner
+
+    model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
+    return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
+
+
+def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
+    """One export with the symbolic axes dynamic, one session for every shape."""
+    from graphopt.backends.onnxruntime.errors import OnnxExportError
+    from graphopt.backends.onnxruntime.session import SessionRunner
+
+    plan = SizePlan.of(gm)
+    if plan.problem:
+        return _per_signature(gm, provider, plan.problem)
+    inputs = inputs_from_meta(gm)
+    if inputs is None:
+        return _per_signature(gm, provider, "an input has no fake value to size an example from")
+    try:
+        model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from)
+    except OnnxExportError as error:
+        return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
+    return _runner(gm, model, session, SessionRunner(session, None), inputs, plan)
+
+
+def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None) -> Callable:
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
-    plan = model.output_plan
+    outputs_plan = model.output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
 
     def run(*args: Any) -> Any:
         outputs = runner(*[args[i] for i in tensor_positions])
-        result = [outputs[p] if isinstance(p, int) else p[1] for p in plan]
+        sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
+        result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
+                  for p in outputs_plan]
         return result[0] if single else tuple(result)
 
     run.onnx_model = model  # for tests and tools: the exported model behind this callable
+    run.session = session  # one per compiled graph, whatever shapes it serves
     return run
+
+
+def _per_signature(gm: fx.GraphModule, provider: str, reason: str) -> Callable:
+    from graphopt import report as reports
+
+    log.warning("graphopt: onnxruntime exports this graph once per input shape (up to %d kept): %s",
+                MAX_SPECIALIZATIONS, reason)
+    fn = PerSignature(gm, lambda g, args, report: _compile_static(g, args, provider, report),
+                      reports.current_report(), MAX_SPECIALIZATIONS)
+    fn.graphopt_notes = [f"onnxruntime: one static export per input shape, since {reason}"]
+    return fn
 
 
 def _missing_kernel(error: Exception, model, provider: str) -> Exception | None:
@@ -118,41 +187,6 @@ def _missing_kernel(error: Exception, model, provider: str) -> Exception | None:
     graph = model.model.graph
     values = [*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs)]
     return MissingKernel(found.group(1), provider, any(v.dtype == ir.DataType.BFLOAT16 for v in values))
-
-
-class _PerSignature:
-    """Export and run one static ONNX model per input signature (shapes, dtypes, int values)."""
-
-    def __init__(self, gm: fx.GraphModule, provider: str) -> None:
-        self.gm, self.provider = gm, provider
-        self.compiled: OrderedDict[tuple, Callable] = OrderedDict()
-
-    def __call__(self, *args: Any) -> Any:
-        key = tuple((tuple(a.shape), a.dtype, a.device.type) if isinstance(a, torch.Tensor) else a for a in args)
-        fn = self.compiled.get(key)
-        if fn is None:
-            # In a worker thread: this runs inside aot_autograd's runtime wrapper, whose
-            # thread-local dispatch state breaks torch.export (functional tensors leak).
-            with ThreadPoolExecutor(max_workers=1) as pool:
-                fn = pool.submit(lambda: _compile_static(_specialize(self.gm, args), list(args), self.provider)).result()
-            self.compiled[key] = fn
-            if len(self.compiled) > MAX_SPECIALIZATIONS:
-                self.compiled.popitem(last=False)
-        else:
-            self.compiled.move_to_end(key)
-        return fn(*args)
-
-
-def _specialize(gm: fx.GraphModule, args: Sequence[Any]) -> fx.GraphModule:
-    """``gm`` re-traced with these inputs' concrete sizes: every size is an int again, so
-    the lowering and the translations choose ORT ops from static shapes (a one-token query,
-    equal sequence lengths) exactly as for a static graph. Fake tensors of the concrete
-    shapes (the frozen weights stay real); graphopt ops stay ops; nodes get ``meta["val"]``.
-    """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    with torch.no_grad():
-        return make_fx(gm, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
 
 
 onnxruntime = OnnxRuntimeTarget()

@@ -99,19 +99,6 @@ def test_transformers_llama_matches_eager():
     assert {r.target for r in reports} == {"onnxruntime"} and not any(r.fallbacks for r in reports)
 
 
-def test_dynamic_shapes_export_one_model_per_signature():
-    model = models.build("llama-tiny")
-    torch._dynamo.reset()
-    graphopt.reset()
-    compiled = torch.compile(model, backend="graphopt", dynamic=True,
-                             options={"target": "onnxruntime", "fallback": "error"})
-    for batch, seq in ((1, 5), (2, 9)):
-        (ids,) = models.example_inputs(model, batch=batch, seq_len=seq, seed=seq)
-        with torch.no_grad():
-            assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)
-    assert {r.target for r in graphopt.reports()} == {"onnxruntime"}
-
-
 # --- what cannot run falls back, and says why ------------------------------------------
 
 

@@ -1,0 +1,150 @@
+"""One compile serves every shape on the onnxruntime target: a graph with symbolic sizes is
+exported once with dynamic axes and runs in one session, and every build is in the report."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import graphopt
+from graphopt import models
+from graphopt.backends.onnxruntime import session as session_module
+from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
+from tests.helpers import assert_matches_eager, eager
+
+OPTIONS = {"target": "onnxruntime", "provider": "cpu", "fallback": "error"}
+
+
+@pytest.fixture
+def sessions_run(monkeypatch):
+    """The session behind every ORT call of a test, in call order."""
+    seen = []
+    real = session_module.SessionRunner.__call__
+
+    def spy(self, *tensors):
+        seen.append(self.session)
+        return real(self, *tensors)
+
+    monkeypatch.setattr(session_module.SessionRunner, "__call__", spy)
+    return seen
+
+
+def compile_fresh(module, **kwargs):
+    torch._dynamo.reset()
+    graphopt.reset()
+    return torch.compile(module, backend="graphopt", options=OPTIONS, **kwargs)
+
+
+def builds() -> list[dict]:
+    return [b for r in graphopt.reports() for b in r.to_dict()["builds"]]
+
+
+def run_checked(compiled, model, batch: int, seq: int) -> None:
+    (ids,) = models.example_inputs(model, batch=batch, seq_len=seq, seed=seq)
+    with torch.no_grad():
+        assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)  # logits and the KV cache
+
+
+def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions_run, caplog):
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model)
+    # 6 lengths, 3 batch sizes. Not batch 1: dynamo specializes a size of 1, so a batch of 1
+    # after a dynamic batch is a third graph (its guard: "2 <= input_ids.size()[0]").
+    calls = ((2, 5), (4, 7), (2, 9), (4, 12), (3, 6), (2, 10))
+    with caplog.at_level(logging.INFO, logger="graphopt"):
+        for batch, seq in calls:
+            run_checked(compiled, model, batch, seq)
+    made = builds()
+    assert len(made) == 2, made  # the first static compile, then dynamo's dynamic recompile
+    assert made[0]["dynamic_dims"] == [] and len(made[1]["dynamic_dims"]) == 2  # batch and sequence
+    assert {r.target for r in graphopt.reports()} == {"onnxruntime"}
+    assert len(sessions_run) == len(calls) and len(set(map(id, sessions_run[1:]))) == 1
+    # The recompile names the guard that failed, once.
+    (line,) = [r.getMessage() for r in caplog.records if "guard failed" in r.getMessage()]
+    assert "size mismatch" in line and "input_ids" in line
+    assert graphopt.reports()[1].to_dict()["recompile_reason"] in line
+
+
+def test_dynamic_true_exports_once_with_a_complete_build_record():
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model, dynamic=True)
+    for batch, seq in ((2, 5), (3, 8), (2, 11)):
+        run_checked(compiled, model, batch, seq)
+    (build,) = builds()
+    assert build["what"] == "onnxruntime session"
+    (shape,) = build["shapes"]  # input_ids, both axes symbolic, named as dynamo names them
+    assert len(shape) == 2 and all(isinstance(d, str) and d.startswith("s") for d in shape)
+    assert build["dynamic_dims"] == shape
+    assert build["seconds"] > 0 and abs(build["export_s"] + build["session_s"] - build["seconds"]) < 1e-2
+
+
+def test_mark_dynamic_exports_once():
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model)
+    for seq in (5, 8, 11):
+        (ids,) = models.example_inputs(model, batch=2, seq_len=seq, seed=seq)
+        torch._dynamo.mark_dynamic(ids, 1)
+        with torch.no_grad():
+            assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)
+    (build,) = builds()
+    assert build["shapes"][0][0] == 2 and isinstance(build["shapes"][0][1], str)
+
+
+def test_decode_loop_does_not_export_per_token():
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model)
+    (ids,) = models.example_inputs(model, batch=2, seq_len=6, seed=1)
+    counts = []
+    with torch.no_grad():
+        logits, past = compiled(ids)
+        ref_logits, ref_past = model(ids)
+        for _ in range(6):
+            token = logits[:, -1:].argmax(-1)
+            assert torch.equal(token, ref_logits[:, -1:].argmax(-1))
+            logits, past = compiled(token, past)
+            ref_logits, ref_past = model(token, ref_past)
+            assert_matches_eager((logits, past), (ref_logits, ref_past), rel=1e-4)
+            counts.append(len(builds()))
+    # prefill, the first decode step, its dynamic recompile at the second; then none per token
+    assert counts[1] == counts[-1] == 3, counts
+    (decode,) = [b for b in builds() if b["dynamic_dims"]]
+    assert decode["shapes"][0] == [2, 1]  # the new token stays one token: GQA decodes with past
+
+
+class ShapeOutput(torch.nn.Module):
+    """Returns a size computed from the input's: a SymInt output of a dynamo graph."""
+
+    def forward(self, x):
+        return torch.relu(x) * 2, x.shape[1] * 3 + 1
+
+
+def test_symint_outputs_follow_the_input_size():
+    compiled = compile_fresh(ShapeOutput(), dynamic=True)
+    for cols in (4, 9, 13):
+        x = torch.randn(3, cols)
+        out, size = compiled(x)
+        assert size == cols * 3 + 1
+        torch.testing.assert_close(out, torch.relu(x) * 2)
+    assert len(builds()) == 1
+
+
+class ScaledByInt(torch.nn.Module):
+    """``n`` is a graph input that no tensor's size gives: no single dynamic model can take it."""
+
+    def forward(self, x, n: int):
+        return x * n + 1
+
+
+def test_skips_dynamic_export_when_a_symint_is_no_input_size(caplog):
+    compiled = compile_fresh(ScaledByInt(), dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="graphopt"):
+        for n in (2, 3, 2):
+            x = torch.randn(2, 5 + n)
+            torch.testing.assert_close(compiled(x, n), x * n + 1)
+    (report,) = graphopt.reports()
+    assert report.target == "onnxruntime"
+    assert any("not the size of any tensor input axis" in note for note in report.notes), report.notes
+    assert "once per input shape" in caplog.text
+    assert len(builds()) == 2  # one static model per signature: (5+2, n=2) and (5+3, n=3), reused
