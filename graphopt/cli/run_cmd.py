@@ -67,6 +67,7 @@ def run(
         "speedup": eager_ms / graphopt_ms if graphopt_ms else None,
         "compile_s": compile_s,
         "graphs": len(reports),
+        "builds": _builds(reports),
         "reports": [r.to_dict() for r in reports],
     }
     if json_out:
@@ -87,6 +88,9 @@ def _print_human(result: dict, reports) -> None:
             fused[op] = fused.get(op, 0) + n
     if fused:
         console.print("fused ops: " + ", ".join(f"{op} x{n}" for op, n in fused.items()))
+    if result["builds"]:
+        console.print(f"builds: {len(result['builds'])} ({sum(b['seconds'] for b in result['builds']):.1f} s): "
+                      + "; ".join(f"{b['what']} {b['shapes']}" for b in result["builds"]))
     for r in reports:
         for fb in r.fallbacks:
             console.print(f"[yellow]fallback[/] {fb['where']}: {fb['reason']}")
@@ -100,6 +104,24 @@ def _print_human(result: dict, reports) -> None:
 GENERATE_LOOPS: dict[str, str] = {
     "onnxruntime": "graphopt.backends.onnxruntime.decoder:generate_with_reference",
 }
+
+
+def _builds(reports) -> list[dict]:
+    """Every export / session / kernel the targets built, each with its graph's index."""
+    return [{**b, "graph": r.graph_index} for r in reports for b in r.builds]
+
+
+def _no_reports_reason(target: str, out) -> str | None:
+    """Why a --generate run has no compile reports (None when it has some)."""
+    if getattr(out, "reports", None):
+        return None
+    if out.fallback and target != "eager":
+        return f"it decoded eagerly ({out.fallback})"
+    if target == "onnxruntime":
+        return ("the onnxruntime decode loop exports its prefill and decode models ahead of time with "
+                "`graphopt export --kv-cache`'s pipeline, not through torch.compile, so no graph has a "
+                "compile report; its export time is generate.compile_s")
+    return "no graph was compiled"
 
 
 def _generate_loop(config) -> tuple[str, object]:
@@ -167,6 +189,8 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
             "cuda_graphs": extra["cuda_graphs"],
         },
         "reports": [r.to_dict() for r in getattr(out, "reports", [])],
+        "builds": _builds(getattr(out, "reports", [])),
+        "reports_note": _no_reports_reason(target, out),
     }
     if json_out:
         print_json(result)
