@@ -19,11 +19,25 @@ def test_passes_json_lists_the_default_pipeline_first():
     result = invoke("passes", "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
-    assert all(set(r) == {"name", "summary", "default"} for r in rows)
+    assert all(set(r) == {"name", "summary", "default", "requires", "options"} for r in rows)
     defaults = [r["name"] for r in rows if r["default"]]
     from graphopt.pipeline import DEFAULT_PIPELINE
 
     assert defaults == list(DEFAULT_PIPELINE) and rows[: len(defaults)] == [r for r in rows if r["default"]]
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["fuse_softmax_rms_norm"]["requires"] == ["fuse_rms_norm"]
+
+
+def test_passes_lists_each_option_with_type_default_and_help():
+    rows = {r["name"]: r for r in json.loads(invoke("passes", "--json").stdout)}
+    for row in rows.values():
+        assert all(set(o) == {"name", "type", "default", "help"} for o in row["options"]), row
+    group_size = next(o for o in rows["quantize_int4"]["options"] if o["name"] == "group_size")
+    assert group_size == {"name": "group_size", "type": "int", "default": 32,
+                          "help": "weights per scale along K: 32, 64 or 128"}
+    assert rows["canonicalize"]["options"] == []
+    text = invoke("passes").stdout
+    assert "pass options" in text and "group_size" in text and "weights per scale along K" in text
 
 
 def test_run_json_has_errors_timings_and_reports():
@@ -43,16 +57,28 @@ def test_run_prints_a_table():
 
 
 def test_debug_why_explains_near_misses():
-    result = invoke("debug", "llama-tiny", "--pipeline", "fuse_rms_norm", "--why", "fuse_rms_norm",
+    """A model with one good RMSNorm and one over the wrong axis: one rewrite, one near miss
+    with its reason, and numerics within tolerance after the pass."""
+    result = invoke("debug", "tests.cli.planted:make_planted", "--pipeline", "fuse_rms_norm", "--why", "fuse_rms_norm",
                     "--timing", "--check-numerics", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     (graph,) = data["graphs"]
-    assert graph["passes"][0]["name"] == "fuse_rms_norm" and graph["passes"][0]["numerics"]["ok"]
-    assert graph["first_bad_pass"] is None
+    (record,) = graph["passes"]
+    assert record["name"] == "fuse_rms_norm" and record["matches"] == 1 and record["near_misses"] == 1
+    assert record["numerics"]["ok"] and graph["first_bad_pass"] is None
+    (miss,) = [m for m in graph["near_misses"] if not m["screened"]]
+    assert (miss["pass_name"], miss["reason"]) == ("fuse_rms_norm", "mean over dim 1, expected -1")
 
 
-@pytest.mark.parametrize("command", ["passes", "run", "debug", "models", "options"])
+COMMANDS = [c.name for c in app.registered_commands] + [g.name for g in app.registered_groups]
+
+
+def test_the_command_list_is_the_apps():
+    assert {"passes", "run", "debug", "export", "fuzz", "kernels", "models", "options"} <= set(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help_with_an_example_and_json(command):
     result = invoke(command, "--help")
     assert result.exit_code == 0
