@@ -37,18 +37,18 @@ aten = torch.ops.aten
 
 @torch.library.custom_op("graphopt_ort::gqa_with_past", mutates_args=())
 def gqa_with_past(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor,
-                  scale: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  scale: float | None = None, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``attention(q, cat(past_k, k), cat(past_v, v), is_causal=True)`` and the two concatenations.
 
     q [B, Hq, Sq, D]; k, v [B, Hkv, Sq, D]; past_k, past_v [B, Hkv, P, D]. Causal is
     bottom-right: query i sees the past and new keys up to i.
     """
     key, value = torch.cat((past_k, k), 2), torch.cat((past_v, v), 2)
-    return reference_attention(q, key, value, None, scale, True), key, value
+    return reference_attention(q, key, value, None, scale, True, softcap), key, value
 
 
 @gqa_with_past.register_fake
-def _(q, k, v, past_k, past_v, scale=None):
+def _(q, k, v, past_k, past_v, scale=None, softcap=0.0):
     key, value = torch.cat((past_k, k), 2), torch.cat((past_v, v), 2)
     return q.new_empty((*q.shape[:-1], v.shape[-1])), key, value
 
@@ -101,7 +101,7 @@ def _cache_concat(node) -> tuple[fx.Node, fx.Node] | None:
 def _fuse_cached_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
     if node.op != "call_function" or node.target is not torch.ops.graphopt.attention.default:
         return False
-    args = dict(zip(("q", "k", "v", "mask", "scale", "is_causal"), node.args))
+    args = dict(zip(("q", "k", "v", "mask", "scale", "is_causal", "softcap"), node.args))
     args.update(node.kwargs)
     q, k_cat, v_cat = args["q"], _through_full_slices(args["k"]), _through_full_slices(args["v"])
     k_parts, v_parts = _cache_concat(k_cat), _cache_concat(v_cat)
@@ -120,7 +120,8 @@ def _fuse_cached_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
         return False  # a user of the cache before the attention could not read the op's output
     with gm.graph.inserting_before(node):
         fused = gm.graph.call_function(torch.ops.graphopt_ort.gqa_with_past.default,
-                                       (q, k_parts[1], v_parts[1], k_parts[0], v_parts[0], args.get("scale")))
+                                       (q, k_parts[1], v_parts[1], k_parts[0], v_parts[0], args.get("scale"),
+                                        args.get("softcap", 0.0)))
         ir.infer_val(fused)
         outs = []
         for i in range(3):

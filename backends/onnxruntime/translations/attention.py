@@ -1,24 +1,32 @@
 """Attention -> ONNX Runtime's fused attention ops where their interface fits, else standard ops.
 
-``graphopt.attention(q, k, v, mask, scale, is_causal)`` has q [B, Hq, Sq, D] and k/v
-[B, Hkv, Skv, D] (BNSH, Hq a multiple of Hkv), a boolean or additive mask, and bottom-right
-causal alignment. Chosen at export time from static shapes:
+``graphopt.attention(q, k, v, mask, scale, is_causal, softcap)`` has q [B, Hq, Sq, D] and k/v
+[B, Hkv, Skv, D] (BNSH, Hq a multiple of Hkv), a boolean or additive mask, bottom-right
+causal alignment, and an optional tanh cap on the scaled scores. Chosen at export time
+from static shapes:
 
 - no mask, Sq and Skv the same length (the same int or the same symbol), Dv == D:
-  ``com.microsoft.GroupQueryAttention`` (causal attribute = is_causal). GQA takes q/k/v as
-  [B, S, H*D]; its ``seqlens_k`` (= total length - 1 per row) and ``total_sequence_length``
-  are computed from k's shape, so the model keeps dynamic batch and sequence axes.
-- Hq == Hkv and either a mask (not causal) or no mask with causality irrelevant (not causal,
-  or Sq == 1): ``com.microsoft.MultiHeadAttention`` with q as [B, Sq, H*D] and k/v in their
-  BNSH layout; a mask becomes an additive ``attention_bias`` expanded to [.., .., Sq, Skv]
-  (ORT does not broadcast its query axis).
+  ``com.microsoft.GroupQueryAttention`` (causal attribute = is_causal, softcap attribute =
+  softcap). GQA takes q/k/v as [B, S, H*D]; its ``seqlens_k`` (= total length - 1 per row)
+  and ``total_sequence_length`` are computed from k's shape, so the model keeps dynamic
+  batch and sequence axes.
+- softcap > 0 with a mask, the same lengths and Dv == D: GroupQueryAttention with the mask
+  as its ``attention_bias`` input (ORT's CPU kernel caps the scores before adding the bias,
+  as the reference does: checked in tests/backends/onnxruntime/test_attention_softcap.py).
+  This is how Gemma2's masked layers (causal and sliding-window masks alike) keep their cap.
+- Hq == Hkv, no softcap, and either a mask (not causal) or no mask with causality
+  irrelevant (not causal, or Sq == 1): ``com.microsoft.MultiHeadAttention`` with q as
+  [B, Sq, H*D] and k/v in their BNSH layout; a mask becomes an additive ``attention_bias``
+  expanded to [.., .., Sq, Skv] (ORT does not broadcast its query axis). MultiHeadAttention
+  has no softcap attribute, so a capped attention never takes this route.
 - anything else (GQA heads with a mask or a query shorter than the keys, Dv != D,
-  causal chunks): MatMul / Softmax / MatMul in float32 with k/v heads expanded, the same
-  formula as the reference op.
+  causal chunks, a capped attention GQA cannot take): MatMul / Softmax / MatMul in float32
+  with k/v heads expanded and Tanh for the cap, the same formula as the reference op.
 
 ``graphopt_ort.gqa_with_past`` (made by the backend's lowering from ``attention(q,
 cat(past_k, k), cat(past_v, v))``, see ``lowering.py``) -> GroupQueryAttention with its
-past_key/past_value inputs and present outputs: decode with a KV cache in one op.
+past_key/past_value inputs and present outputs (and its softcap): decode with a KV cache
+in one op.
 """
 
 from __future__ import annotations
@@ -50,12 +58,17 @@ def _seq_len(x):
     return op.Cast(op.Shape(x, start=2, end=3), to=INT32)
 
 
-def _gqa(q, k, v, past_k, past_v, total, scale, causal: bool, hq: int, hkv: int, d: int):
-    """GroupQueryAttention over BNSH q/k/v (+ optional past); returns (out BNSH, present_k, present_v)."""
+def _gqa(q, k, v, past_k, past_v, total, scale, causal: bool, hq: int, hkv: int, d: int,
+         softcap: float = 0.0, bias=None):
+    """GroupQueryAttention over BNSH q/k/v (+ optional past, + optional additive bias
+    [B|1, H|1, Sq, total]); returns (out BNSH, present_k, present_v)."""
     seqlens_k = op.Expand(op.Sub(total, const(1, INT32)), op.Shape(q, start=0, end=1))  # [B]: total - 1 per row
+    # Inputs 7-9 (cos/sin caches, position ids) stay absent: rotary ran before the op.
+    extra = (None, None, None, bias) if bias is not None else ()
+    capped = {"softcap": float(softcap)} if softcap > 0.0 else {}  # 0 is ORT's default: leave it out
     out, present_k, present_v, _qk = ms.GroupQueryAttention(
-        _to_bsh(q), _to_bsh(k), _to_bsh(v), past_k, past_v, seqlens_k, op.Reshape(total, []),
-        num_heads=hq, kv_num_heads=hkv, scale=scale, causal=int(causal),
+        _to_bsh(q), _to_bsh(k), _to_bsh(v), past_k, past_v, seqlens_k, op.Reshape(total, []), *extra,
+        num_heads=hq, kv_num_heads=hkv, scale=scale, causal=int(causal), **capped,
     )
     return _from_bsh(out, hq, d), present_k, present_v
 
@@ -73,7 +86,7 @@ def _additive_bias(mask, q, k):
     return op.Expand(bias, target)
 
 
-def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = False):
+def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = False, softcap: float = 0.0):
     hq, hkv, d, dv = static_dim(q, 1), static_dim(k, 1), static_dim(q, -1), static_dim(v, -1)
     if None in (hq, hkv, d, dv) or rank(q) != 4 or rank(k) != 4:
         raise UnsupportedOp("graphopt.attention", "needs rank-4 q/k/v with static head counts and head sizes")
@@ -82,9 +95,12 @@ def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = 
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     same_len = dims_equal(q.shape[2], k.shape[2])
     one_query = static_dim(q, 2) == 1
-    if mask is None and d == dv and same_len:
-        out, _, _ = _gqa(q, k, v, None, None, _seq_len(k), scale, is_causal, hq, hkv, d)
+    if d == dv and same_len and (mask is None or softcap > 0.0):
+        bias = _additive_bias(mask, q, k) if mask is not None else None
+        out, _, _ = _gqa(q, k, v, None, None, _seq_len(k), scale, is_causal, hq, hkv, d, softcap, bias)
         return out
+    if softcap > 0.0:  # MultiHeadAttention has no softcap attribute
+        return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv, softcap)
     if hq == hkv and d == dv and (mask is None and (not is_causal or one_query) or mask is not None and not is_causal):
         bias = _additive_bias(mask, q, k) if mask is not None else None
         out, _, _, _ = ms.MultiHeadAttention(_to_bsh(q), k, v, None, None, bias, num_heads=hq, scale=scale)
@@ -100,11 +116,14 @@ def _expand_heads(x, hq: int, hkv: int):
     return op.Reshape(op.Expand(op.Unsqueeze(x, [2]), groups), [0, hq, -1, static_dim(x, -1)])
 
 
-def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, hkv: int):
+def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, hkv: int, softcap: float = 0.0):
     out_dtype = q.dtype
     k_full = cast_to(_expand_heads(k, hq, hkv), FLOAT)
     v_full = cast_to(_expand_heads(v, hq, hkv), FLOAT)
     scores = op.Mul(op.MatMul(cast_to(q, FLOAT), op.Transpose(k_full, perm=[0, 1, 3, 2])), const(scale, FLOAT))
+    if softcap > 0.0:
+        cap = const(float(softcap), FLOAT)
+        scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
     neg_inf = const(float("-inf"), FLOAT)
     if mask is not None:
         scores = op.Where(mask, scores, neg_inf) if mask.dtype == ir.DataType.BOOL else op.Add(scores, cast_to(mask, FLOAT))
@@ -120,13 +139,13 @@ def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, h
     return cast_to(out, out_dtype)
 
 
-def gqa_with_past(q, k, v, past_k, past_v, scale: float | None = None):
+def gqa_with_past(q, k, v, past_k, past_v, scale: float | None = None, softcap: float = 0.0):
     hq, hkv, d = static_dim(q, 1), static_dim(k, 1), static_dim(q, -1)
     if None in (hq, hkv, d) or static_dim(v, -1) != d:
         raise UnsupportedOp("graphopt_ort.gqa_with_past", "needs static head counts and equal k/v head sizes")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     total = op.Add(_seq_len(past_k), _seq_len(k))
-    return _gqa(q, k, v, past_k, past_v, total, scale, True, hq, hkv, d)
+    return _gqa(q, k, v, past_k, past_v, total, scale, True, hq, hkv, d, softcap)
 
 
 TRANSLATIONS = {
