@@ -69,12 +69,42 @@ def test_unavailable_reason_names_the_fix(monkeypatch, cuda, hip, installed, exp
         assert asked == ["torch_tensorrt"]
 
 
-def test_unavailable_messages_are_one_line_with_the_fix():
-    assert "pip install 'graphopt[tensorrt]'" in T.NO_TORCH_TENSORRT
-    assert "target='onnxruntime'" in T.NO_NVIDIA_GPU and "'triton'" in T.NO_NVIDIA_GPU
-    assert "target='triton'" in T.ROCM_BUILD
-    for message in (T.NO_NVIDIA_GPU, T.ROCM_BUILD, T.NO_TORCH_TENSORRT, T.INT4_UNSUPPORTED):
-        assert "\n" not in message and "tensorrt" in message  # names itself where shown without its target
+@pytest.mark.parametrize("cuda, hip, installed, fixes", [
+    (False, None, True, ("target='onnxruntime'", "'triton'")),
+    (True, "6.2", True, ("target='triton'",)),
+    (True, None, False, ("pip install 'graphopt[tensorrt]'",)),
+], ids=["no-gpu", "rocm-build", "no-torch-tensorrt"])
+def test_unavailable_messages_are_one_line_with_the_fix(monkeypatch, cuda, hip, installed, fixes):
+    """What a user asking for target='tensorrt' is told, as the target resolver says it."""
+    from graphopt.errors import TargetUnavailable
+    from graphopt.targets import resolve_target
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        (importlib.machinery.ModuleSpec(name, None) if installed else None) if name == "torch_tensorrt"
+        else real_find_spec(name, *args)))
+    with pytest.raises(TargetUnavailable) as raised:
+        resolve_target(TENSORRT)
+    message = str(raised.value)
+    assert message.startswith("target 'tensorrt' cannot run here: ") and "\n" not in message
+    assert all(fix in message for fix in fixes), message
+
+
+def test_fallback_error_prints_that_line_and_exits_2(capsys, monkeypatch):
+    reason = T.tensorrt.unavailable_reason(TENSORRT)
+    if reason is None:
+        pytest.skip("torch-tensorrt and an NVIDIA GPU are present: the target runs here")
+    from graphopt.cli import main
+
+    monkeypatch.setattr("sys.argv", ["graphopt", "run", "llama-tiny", "--target", "tensorrt", "--repeat", "1",
+                                     "-o", "fallback=error"])
+    with pytest.raises(SystemExit) as exit_info:
+        main.main()
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: graphopt target failed: target 'tensorrt' cannot run here: {reason}"], errors
 
 
 # (b) Through the CLI on this machine: a fallback to eager with that line, eager's numerics.
