@@ -85,6 +85,8 @@ def inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
     # reference reads (x.shape[-1] // 2) stays an expression in the graph's symbols.
     symbolic = any(isinstance(v, torch.SymInt) or isinstance(v, torch.Tensor) and any(
         isinstance(s, torch.SymInt) for s in v.shape) for v in vals)
+    if not symbolic:
+        vals = _in_one_fake_mode(vals)
     sub = make_fx(body, tracing_mode="symbolic" if symbolic else "fake")(*vals)
 
     env: dict[fx.Node, Any] = {}
@@ -104,6 +106,17 @@ def inline_reference(gm: fx.GraphModule, node: fx.Node) -> None:
                 env[sub_node] = new
     _replace_uses(node, result)
     gm.graph.erase_node(node)
+
+
+def _in_one_fake_mode(vals: list) -> list:
+    """Static-shape stand-ins for ``vals`` in one fresh FakeTensorMode: a graph traced by
+    plain ``make_fx`` gives each node's ``meta["val"]`` a mode of its own, and tracing
+    refuses to mix them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device)
+                if isinstance(v, torch.Tensor) else v for v in vals]
 
 
 def _replace_uses(node: fx.Node, result: Any) -> None:

@@ -3,8 +3,8 @@
 This is the backend's legalisation, not a pass of the pipeline (it knows the runtime):
 
 1. Every graphopt op in the graph must have a translation (``translations/``); the first
-   that has none raises ``UnsupportedOp`` naming it, so the target falls back to eager with
-   a warning that says which op.
+   that has none raises ``UnsupportedOp`` naming it. (The target decomposes such ops before
+   export, ``partition.py``; this check guards the export entry points against a miss.)
 2. ``attention(q, cat(past_k, k, 2), cat(past_v, v, 2))`` -> ``graphopt_ort.gqa_with_past(q,
    k, v, past_k, past_v)``, whose outputs are the attention output and the two
    concatenations (the present cache). That is ONNX Runtime's GroupQueryAttention with
@@ -12,7 +12,9 @@ This is the backend's legalisation, not a pass of the pipeline (it knows the run
    a Concat and a separate attention over its result. Preconditions: no mask; causal or a
    single query (then causality changes nothing); one query token or a batch of one (ORT's
    GQA refuses a longer chunk with a past cache for batch > 1); every other user of the
-   concatenations comes after the attention (they will read the op's outputs).
+   concatenations comes after the attention (they will read the op's outputs). Each
+   attention over a ``cat`` that fails one of these is a near miss with its reason
+   (``cached_attention_near_misses``), under the pass name ``ort:gqa_with_past``.
 
 ``gqa_with_past`` is a real custom op with a reference implementation (``cat`` + the
 reference attention), so the rewritten graph still runs eagerly, which is what a fallback
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import operator
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -31,8 +34,11 @@ from torch import Tensor
 from graphopt import ir
 from graphopt.ops import op_name
 from graphopt.ops.attention import attention as reference_attention
+from graphopt.pass_manager import NearMiss
 
 aten = torch.ops.aten
+# The pass name under which this rewrite's refusals appear with the pipeline's near misses.
+GQA_WITH_PAST = "ort:gqa_with_past"
 
 
 @torch.library.custom_op("graphopt_ort::gqa_with_past", mutates_args=())
@@ -85,43 +91,89 @@ def _through_full_slices(node):
     return node
 
 
-def _cache_concat(node) -> tuple[fx.Node, fx.Node] | None:
-    """(past, new) when ``node`` is ``cat([past, new], 2)`` of two rank-4 tensors."""
+def _cache_concat(node) -> tuple[fx.Node, fx.Node] | str | None:
+    """(past, new) when ``node`` is ``cat([past, new], 2)`` of two rank-4 tensors; the reason
+    when it is another ``cat``; None when it reads no cache (no ``cat``, or an empty one's)."""
     if not isinstance(node, fx.Node) or node.target is not aten.cat.default:
         return None
     tensors = node.args[0]
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
-    if len(tensors) != 2 or dim not in (2, -2) or node.meta["val"].dim() != 4:
-        return None
+    if len(tensors) != 2:
+        return f"{node.name} concatenates {len(tensors)} tensors, not a past cache and the new rows"
+    if dim not in (2, -2) or node.meta["val"].dim() != 4:
+        return f"{node.name} is not a concatenation along the sequence axis (dim 2) of [B, H, S, D] tensors"
     if any(t.meta["val"].dim() != 4 for t in tensors):
         return None  # transformers' DynamicLayer starts from a 1-D empty tensor: cat([empty, k]) is the prompt's k
     return tensors[0], tensors[1]
 
 
-def _fuse_cached_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
+@dataclass
+class _CachedAttention:
+    """An attention GroupQueryAttention with past/present can compute (see the module docstring)."""
+
+    q: fx.Node
+    k_cat: fx.Node
+    v_cat: fx.Node
+    k_parts: tuple[fx.Node, fx.Node]
+    v_parts: tuple[fx.Node, fx.Node]
+    slices: list[fx.Node]
+    scale: object
+
+
+def _match_cached_attention(gm: fx.GraphModule, node: fx.Node) -> _CachedAttention | NearMiss | None:
+    """The match; a NearMiss (pass ``ort:gqa_with_past``) when ``node`` attends over a cache
+    concatenation that GQA cannot take; None when it is no attention over a ``cat``."""
     if node.op != "call_function" or node.target is not torch.ops.graphopt.attention.default:
-        return False
+        return None
     args = dict(zip(("q", "k", "v", "mask", "scale", "is_causal", "softcap"), node.args))
     args.update(node.kwargs)
     q, k_cat, v_cat = args["q"], _through_full_slices(args["k"]), _through_full_slices(args["v"])
     k_parts, v_parts = _cache_concat(k_cat), _cache_concat(v_cat)
-    if k_parts is None or v_parts is None or args.get("mask") is not None:
-        return False
+    if k_parts is None and v_parts is None:
+        return None  # no cache read here: the attention lowers without past/present
+
+    def miss(at: fx.Node, reason: str) -> NearMiss:
+        return NearMiss(GQA_WITH_PAST, node.name, at.name, reason)
+
+    for parts, cat, which in ((k_parts, k_cat, "k"), (v_parts, v_cat, "v")):
+        if parts is None:
+            return miss(cat if isinstance(cat, fx.Node) else node, f"{which} is not cat(past, new, dim=2)")
+        if isinstance(parts, str):
+            return miss(cat, parts)
+    if args.get("mask") is not None:
+        return miss(args["mask"], "the attention has a mask; GroupQueryAttention with a cache takes none")
     q_shape = q.meta["val"].shape
     one_query = _is(q_shape[2], 1)
     if not (args.get("is_causal", False) or one_query):
-        return False  # a non-causal chunk against the cache is not what GQA computes
+        return miss(q, "a non-causal chunk of several queries against the cache is not what GQA computes")
     if not (one_query or _is(q_shape[0], 1)):
-        return False  # ORT: "batch_size must be 1 when sequence_length > 1 and past context is given"
+        return miss(q, "ORT's GQA needs batch 1 when several queries read a past cache")
     slices = _chain(args["k"], k_cat) + _chain(args["v"], v_cat)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    later_users = [u for c in (k_cat, v_cat) for u in c.users if u is not node and u not in slices]
-    if any(order[u] < order[node] for u in later_users):
-        return False  # a user of the cache before the attention could not read the op's output
+    early = [u for c in (k_cat, v_cat) for u in c.users
+             if u is not node and u not in slices and order[u] < order[node]]
+    if early:
+        return miss(early[0], f"{early[0].name} reads the cache before the attention; it could not read "
+                              "the fused op's present output")
+    return _CachedAttention(q, k_cat, v_cat, k_parts, v_parts, slices, args.get("scale"))
+
+
+def cached_attention_near_misses(gm: fx.GraphModule) -> list[NearMiss]:
+    """Why each attention over a cache concatenation in ``gm`` will not become GQA with
+    past/present (what ``prepare`` would refuse), without changing ``gm``."""
+    found = (_match_cached_attention(gm, node) for node in gm.graph.nodes)
+    return [m for m in found if isinstance(m, NearMiss)]
+
+
+def _fuse_cached_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
+    match = _match_cached_attention(gm, node)
+    if not isinstance(match, _CachedAttention):
+        return False
+    k_parts, v_parts = match.k_parts, match.v_parts
     with gm.graph.inserting_before(node):
         fused = gm.graph.call_function(torch.ops.graphopt_ort.gqa_with_past.default,
-                                       (q, k_parts[1], v_parts[1], k_parts[0], v_parts[0], args.get("scale"),
-                                        args.get("softcap", 0.0)))
+                                       (match.q, k_parts[1], v_parts[1], k_parts[0], v_parts[0], match.scale,
+                                        node.args[6] if len(node.args) > 6 else node.kwargs.get("softcap", 0.0)))
         ir.infer_val(fused)
         outs = []
         for i in range(3):
@@ -130,10 +182,10 @@ def _fuse_cached_attention(gm: fx.GraphModule, node: fx.Node) -> bool:
             outs.append(item)
     node.replace_all_uses_with(outs[0])
     gm.graph.erase_node(node)
-    for dead in slices:  # each read only by the attention (or the slice after it)
+    for dead in match.slices:  # each read only by the attention (or the slice after it)
         gm.graph.erase_node(dead)
-    k_cat.replace_all_uses_with(outs[1])
-    v_cat.replace_all_uses_with(outs[2])
+    match.k_cat.replace_all_uses_with(outs[1])
+    match.v_cat.replace_all_uses_with(outs[2])
     return True
 
 

@@ -31,6 +31,12 @@ ORT_OPS: tuple[tuple[str, str], ...] = (
     (MS_DOMAIN, "GroupQueryAttention"),
     (MS_DOMAIN, "MatMulNBits"),
 )
+# Standard ONNX ops a graphopt op lowers to (graphopt.layer_norm) that still count as fused.
+STANDARD_FUSED_OPS: tuple[str, ...] = ("LayerNormalization",)
+# Every fused op as ``OnnxModel.op_histogram`` spells it (``com.microsoft::MatMulNBits``): the
+# fused-op counts of an exported model read this set, so a new ORT op is one entry above.
+FUSED_OP_NAMES: frozenset[str] = frozenset(
+    {f"{domain}::{name}" if domain else name for domain, name in ORT_OPS} | set(STANDARD_FUSED_OPS))
 
 
 @functools.cache
