@@ -93,6 +93,8 @@ def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Opti
         reason = f"{type(error).__name__}: {error}"
         return _fall_back(gm, example_inputs, config, report, f"target:{target.name}", reason, error)
     report.notes.extend(getattr(compiled, "graphopt_notes", ()))  # what the target ran where (e.g. ops kept on reference)
+    report.off_target_ops.extend(getattr(compiled, "graphopt_off_target_ops", ()))  # ops decomposed or kept eager
+    report.near_misses.extend(getattr(compiled, "graphopt_near_misses", ()))  # the target's own rewrites' refusals
     return _guard_runtime(compiled, gm, example_inputs, config, report, target.name)
 
 

@@ -3,7 +3,8 @@
 ``CompileReport.to_dict()`` is a stable interface (the CLI's ``--json`` prints it):
 ``backend``, ``target``, ``passes`` (``name, matches, time_ms, nodes_before,
 nodes_after`` and more, in the order run), ``op_counts`` (graphopt ops named
-``graphopt.<op>``), ``fallbacks`` (``where, reason``), ``builds`` (``what, shapes,
+``graphopt.<op>``), ``fallbacks`` (``where, reason``), ``off_target_ops`` (``op, count,
+reason, how``: each op the target decomposed or left to eager instead of running it), ``builds`` (``what, shapes,
 dynamic_dims, seconds``: every export, session or kernel a target built for this graph,
 also those built later, at run time), ``recompile_reason`` (the dynamo guard whose failure
 made this graph, or None).
@@ -36,6 +37,8 @@ class CompileReport:
     near_misses: list[NearMiss] = field(default_factory=list)
     rewrites: list[Rewrite] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Each op the target did not run as itself: {"op", "count", "reason", "how": "decomposed" | "eager"}.
+    off_target_ops: list[dict] = field(default_factory=list)
     frozen_weights: int = 0
     nodes_in: int = 0
     nodes_out: int = 0
@@ -74,6 +77,7 @@ class CompileReport:
             "near_misses": [m.to_dict() for m in self.near_misses],
             "rewrites": len(self.rewrites),
             "notes": list(self.notes),
+            "off_target_ops": [dict(op) for op in self.off_target_ops],
             "frozen_weights": self.frozen_weights,
             "nodes_in": self.nodes_in,
             "nodes_out": self.nodes_out,

@@ -29,18 +29,14 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime import lowering
+from graphopt.backends.onnxruntime import lowering, schemas
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.translations import translation_table
 
 # Protobuf cannot serialize more than 2 GiB in one message: larger models keep weights outside.
 LARGE_MODEL_BYTES = 2**31 - 2**26
-ORT_FUSED_OPS = frozenset({
-    "SimplifiedLayerNormalization", "com.microsoft::SkipSimplifiedLayerNormalization", "LayerNormalization",
-    "com.microsoft::SkipLayerNormalization", "com.microsoft::BiasGelu", "com.microsoft::FastGelu",
-    "com.microsoft::Gelu", "com.microsoft::RotaryEmbedding", "com.microsoft::MultiHeadAttention",
-    "com.microsoft::GroupQueryAttention", "com.microsoft::MatMulNBits",
-})
+# The ORT ops a translation emits, as op_histogram spells them: one list, in schemas.py.
+ORT_FUSED_OPS = schemas.FUSED_OP_NAMES
 
 
 @dataclass

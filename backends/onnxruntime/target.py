@@ -57,10 +57,10 @@ class OnnxRuntimeTarget:
         return provider_problem(config.provider)
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
-        from graphopt.backends.onnxruntime import lowering
-        from graphopt.backends.onnxruntime.translations import translation_table
+        from graphopt.backends.onnxruntime import partition
 
-        lowering.check_translations(gm, translation_table())  # name a missing op before any tracing
+        if not partition.is_partition(gm):  # decompose what has no translation, cut off what cannot export
+            return partition.compile_partitioned(self, gm, example_inputs, config)
         if not _has_symbolic_shapes(gm):
             inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
             if inputs is not None:

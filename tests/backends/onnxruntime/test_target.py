@@ -120,20 +120,37 @@ def mystery(x: torch.Tensor) -> torch.Tensor:
 mystery.register_fake(lambda x: torch.empty_like(x))
 
 
-@pytest.mark.parametrize("op, name", [(torch.ops.graphopt.ort_test_untranslated, "graphopt.ort_test_untranslated"),
-                                      (torch.ops.graphopt_test.ort_mystery, "graphopt_test.ort_mystery")])
-def test_op_without_translation_falls_back_naming_it(op, name, caplog):
+@pytest.mark.parametrize("op, name, how", [
+    (torch.ops.graphopt.ort_test_untranslated, "graphopt.ort_test_untranslated", "decomposed"),
+    (torch.ops.graphopt_test.ort_mystery, "graphopt_test.ort_mystery", "eager"),
+])
+def test_op_without_translation_leaves_the_rest_on_ort_naming_it(op, name, how):
+    # A graphopt op becomes its reference's ATen ops; a foreign op runs eagerly between two ORT parts.
     class UsesOp(torch.nn.Module):
         def forward(self, x):
             return op(x + 1) * 2
 
     x = torch.randn(3, 8)
-    out, (report,) = compile_on_ort(UsesOp(), x, fallback="eager")
+    out, (report,) = compile_on_ort(UsesOp(), x, fallback="error")
     assert_matches_eager(out, eager(UsesOp(), x), rel=1e-6)
+    assert report.target == "onnxruntime" and report.fallbacks == []
+    (row,) = report.to_dict()["off_target_ops"]
+    assert (row["op"], row["count"], row["how"]) == (name, 1, how)
+
+
+def test_graph_of_only_an_unexportable_op_falls_back_naming_it(caplog):
+    class OnlyOp(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.graphopt_test.ort_mystery(x)
+
+    x = torch.randn(3, 8)
+    out, (report,) = compile_on_ort(OnlyOp(), x, fallback="eager")
+    assert_matches_eager(out, eager(OnlyOp(), x), rel=1e-6)
     assert report.target == "eager"
     (fallback,) = report.fallbacks
-    assert fallback["where"] == "target:onnxruntime" and f"op {name} cannot be exported" in fallback["reason"]
-    assert name in caplog.text
+    assert fallback["where"] == "target:onnxruntime"
+    assert "op graphopt_test.ort_mystery cannot be exported" in fallback["reason"]
+    assert "graphopt_test.ort_mystery" in caplog.text
 
 
 def test_provider_not_installed_says_which_package():
