@@ -30,14 +30,11 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.rewrite import (
-    NoMatch, PatternPass, cast_like, expect, is_cast, is_op, scalar, val, call_args, cast_back_user, dtype_name, is_exact_upcast,
+    NoMatch, PatternPass, call_args, cast_back_user, cast_like, dtype_name, expect, is_cast, is_exact_upcast,
+    match_residual_add, scalar, val,
 )
 
 aten = torch.ops.aten
-
-
-
-# --- the pass ---------------------------------------------------------------------------
 
 @dataclass
 class AddRmsNormMatch:
@@ -52,13 +49,6 @@ class AddRmsNormMatch:
     after: fx.Node  # the fused op goes right after this node
 
 
-def _expect_add(node: Any, what: str) -> None:
-    # one message for both overloads: "expected aten.add or aten.add" would read oddly
-    if not is_op(node, aten.add.Tensor, aten.add.Scalar):
-        found = ir.target_name(node.target) if isinstance(node, fx.Node) else repr(node)
-        raise NoMatch(f"{what}: expected aten.add, found {found}", node if isinstance(node, fx.Node) else None)
-
-
 def _read_through_upcasts(norm: fx.Node, x: Any) -> tuple[Any, fx.Node, list[fx.Node]]:
     """(the value the norm normalises before any cast, the node the fused op replaces,
     the casts between them). Casts are allowed only when they are exact upcasts and the
@@ -70,7 +60,7 @@ def _read_through_upcasts(norm: fx.Node, x: Any) -> tuple[Any, fx.Node, list[fx.
         source = source.args[0]
     if not casts:
         return source, norm, casts
-    _expect_add(source, "norm input (through a cast)")
+    match_residual_add(source, "norm input (through a cast)")
     for cast in casts:
         src, dst = val(cast.args[0]).dtype, val(cast).dtype
         expect(is_exact_upcast(src, dst),
@@ -124,23 +114,9 @@ class FuseAddRmsNorm(PatternPass):
 
     def match(self, norm: fx.Node, options) -> AddRmsNormMatch:
         args = call_args(norm)
-        add, output, casts = _read_through_upcasts(norm, args["x"])
-        _expect_add(add, "norm input")
-        expect(add.target is aten.add.Tensor, f"add of a scalar {add.args[1]!r}", add)
-        a, b = add.args[0], add.args[1]
-        alpha = add.kwargs.get("alpha", add.args[2] if len(add.args) > 2 else 1)
-        expect(scalar(alpha) == 1.0, f"add with alpha {alpha}", add)
-        for operand in (a, b):
-            value = val(operand)
-            if not isinstance(value, torch.Tensor) or scalar(operand) is not None:
-                shown = scalar(operand) if scalar(operand) is not None else operand
-                raise NoMatch(f"add of a scalar {shown!r}", add)
-        total = val(add)
-        for operand in (a, b):
-            shape = list(val(operand).shape)
-            expect(shape == list(total.shape), f"residual add broadcasts {shape} to {list(total.shape)}", add)
-        expect(val(a).dtype == val(b).dtype == total.dtype,
-               f"residual add mixes {dtype_name(val(a).dtype)} and {dtype_name(val(b).dtype)}", add)
+        source, output, casts = _read_through_upcasts(norm, args["x"])
+        residual = match_residual_add(source, "norm input")
+        add, a, b = residual.add, residual.a, residual.b
 
         dying = _dying(norm, casts)
         weight = args["weight"]

@@ -30,14 +30,12 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.pass_manager import NearMiss, PassResult
 from graphopt.rewrite import (
-    ADD_OPS, cast_like, expect, expect_op, is_last_dim, is_op, NoMatch, PatternPass, scalar, val,
+    ADD_OPS, cast_like, expect, expect_op, is_last_dim, is_op, match_residual_add, NoMatch, PatternPass, scalar, val,
 )
 
 aten = torch.ops.aten
 graphopt_ops = torch.ops.graphopt
-
 
 
 @dataclass
@@ -50,6 +48,7 @@ class LayerNormMatch:
     inner: set[fx.Node] = field(default_factory=set)  # pattern nodes that die with the rewrite
     residual: tuple[fx.Node, fx.Node] | None = None  # (a, b) of x = a + b
     insert_before: fx.Node | None = None  # where the fused op goes (None: before the output)
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (node, why) kept outside the op
 
 
 def arg(node: fx.Node, index: int, name: str, default=None):
@@ -172,16 +171,11 @@ class FuseLayerNorm(PatternPass):
     anchors = (aten.native_layer_norm.default, aten.layer_norm.default, aten.rsqrt.default, aten.sqrt.default,
                graphopt_ops.rms_norm.default)
 
-    def candidates(self, gm: fx.GraphModule) -> list[fx.Node]:
-        # rms_norm is a candidate only over x - mean(x): every real RMSNorm would be noise.
-        return [n for n in super().candidates(gm)
-                if n.target is not graphopt_ops.rms_norm.default or is_op(n.args[0], aten.sub.Tensor)]
-
-    def run(self, gm: fx.GraphModule, ctx) -> PassResult:
-        self._notes: list[NearMiss] = []
-        result = super().run(gm, ctx)
-        result.near_misses.extend(self._notes)
-        return result
+    def screen(self, anchor: fx.Node) -> str | None:
+        # rms_norm is a LayerNorm only over x - mean(x); every real RMSNorm is one of these.
+        if anchor.target is graphopt_ops.rms_norm.default and not is_op(anchor.args[0], aten.sub.Tensor):
+            return "rms_norm of a value that is not x - mean(x): an RMSNorm, not a LayerNorm"
+        return None
 
     def match(self, anchor: fx.Node, options) -> LayerNormMatch:
         if anchor.target is aten.native_layer_norm.default:
@@ -271,19 +265,14 @@ class FuseLayerNorm(PatternPass):
         for what, t in (("weight", m.weight), ("bias", m.bias)):
             expect(t is None or shape_of(t) == [hidden], f"{what} {shape_of(t)} is not [{hidden}]", anchor)
         s = m.x
-        if not (is_op(s, aten.add.Tensor) and all(isinstance(a, fx.Node) for a in s.args[:2])):
+        if not is_op(s, *ADD_OPS):
             return m
-        a, b = s.args[:2]
-        why = None
-        if arg(s, 2, "alpha", 1) != 1:
-            why = "residual add has an alpha"
-        elif not (shape_of(a) == shape_of(b) == shape_of(s)):
-            why = f"residual add broadcasts {shape_of(a)} + {shape_of(b)}"
-        elif not (val(a).dtype == val(b).dtype == val(s).dtype):
-            why = f"residual add promotes {val(a).dtype} + {val(b).dtype}"
-        if why is not None:  # still a plain LayerNorm; say why the add stayed outside
-            self._notes.append(NearMiss(self.name, anchor.name, s.name, f"{why}; fused without the add"))
+        try:
+            residual = match_residual_add(s, "norm input")
+        except NoMatch as why:  # still a plain LayerNorm; say why the add stayed outside
+            m.left_out.append((s.name, f"{why.reason}; fused without the add"))
             return m
+        a, b = residual.a, residual.b
         # Right after the sum, so that its other readers can read the fused op's copy instead.
         point = max([s] + [t for t in (m.weight, m.bias) if isinstance(t, fx.Node)])
         early = [u for u in s.users if u not in m.inner and not u > point]

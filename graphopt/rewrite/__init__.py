@@ -10,8 +10,8 @@ fused op. The base class does the rest: counting, near-miss records for
 
 from graphopt.rewrite.aten_ops import (  # noqa: F401
     ADD_OPS, BATCHED_MATMUL_OPS, CAST_OPS, DIV_OPS, GATE_ACTIVATION_OPS, GEMM_OPS, HEAVY_COMPUTE_OPS,
-    IDENTITY_OPERAND, MUL_OPS, SCORE_OPS, SDPA_OPS, SIZE_ASSERT_OPS, SIZE_OPS, SOFTMAX_OPS, SUB_OPS,
-    TRANSPARENT_OPS, VIEW_OPS,
+    IDENTITY_OPERAND, MUL_OPS, RECIPROCAL_OPS, ROOT_OPS, SCORE_OPS, SDPA_OPS, SIZE_ASSERT_OPS, SIZE_OPS,
+    SOFTMAX_OPS, SPLIT_OPS, SUB_OPS, TRANSPARENT_OPS, VIEW_OPS,
 )
 from graphopt.rewrite.casts import (  # noqa: F401
     FLOAT_BITS, cast_back_user, cast_like, dtype_name, is_cast, is_exact_upcast, strip_casts,
@@ -22,3 +22,5 @@ from graphopt.rewrite.match import (  # noqa: F401
     single_use, val,
 )
 from graphopt.rewrite.pattern_pass import PatternPass  # noqa: F401
+from graphopt.rewrite.residual import ResidualAdd, match_residual_add  # noqa: F401
+from graphopt.rewrite.slices import Piece, last_dim_pieces, same_leading_dims  # noqa: F401

@@ -40,6 +40,8 @@ SIZE_OPS = (
     aten.new_full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.full.default,
     aten.arange.default,
 )
+# Ops that cut a tensor into pieces read by getitem (chunk lowers to split under aot).
+SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 # Runtime checks on symbolic sizes that a rewrite which changes those sizes drops.
 SIZE_ASSERT_OPS = (aten._assert_scalar.default, aten.sym_constrain_range.default,
                    aten.sym_constrain_range_for_size.default)
@@ -51,6 +53,10 @@ BATCHED_MATMUL_OPS = (aten.bmm.default, aten.matmul.default)  # attention's q @ 
 # --- Activations and normalisation pieces.
 SOFTMAX_OPS = (aten._softmax.default, aten.softmax.int)
 GATE_ACTIVATION_OPS = (aten.silu.default, aten.gelu.default)  # the gate of SwiGLU / GeGLU
+# The inverse square root of RMSNorm's mean square: rsqrt(v), pow(v, -0.5), or sqrt(v)
+# divided by or inverted (x / sqrt(v), 1 / sqrt(v)).
+ROOT_OPS = (aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar)
+RECIPROCAL_OPS = (aten.reciprocal.default,)
 
 # --- Attention.
 # Every ATen spelling of scaled_dot_product_attention a captured graph can hold (the plain

@@ -34,7 +34,8 @@ class PatternPass:
         return None
 
     def match(self, anchor: fx.Node, options: Any) -> Any:
-        """Return a match object, or raise NoMatch(reason, node)."""
+        """Return a match object, or raise NoMatch(reason, node). A match object may carry
+        ``left_out: list[(node name, reason)]``, recorded as near misses once it is rewritten."""
         raise NotImplementedError
 
     def rewrite(self, gm: fx.GraphModule, match: Any, options: Any) -> None:
@@ -70,6 +71,10 @@ class PatternPass:
             self.rewrite(gm, found, options)
             self._finish_new_nodes(gm, existing, anchor, fake_mode)
             matches += 1
+            # What a match left out of the fused op (a residual add that stays outside) is a
+            # near miss too; it travels on the match, so a pass keeps no state between runs.
+            for node_name, reason in getattr(found, "left_out", ()):
+                near_misses.append(NearMiss(self.name, anchor.name, node_name, reason))
         if matches:
             gm.graph.eliminate_dead_code()
             gm.recompile()
