@@ -9,12 +9,13 @@ from .flash_decoding import flash_decoding
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-              is_causal: bool = False, *, out: Tensor | None = None) -> Tensor:
-    """``graphopt.attention``: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv], optional mask, GQA.
+              is_causal: bool = False, softcap: float = 0.0, *, out: Tensor | None = None) -> Tensor:
+    """``graphopt.attention``: q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv], optional mask, GQA,
+    optional soft cap on the scores.
 
     Sq == 1 goes to split-K flash-decoding, which needs no causal handling: with
     bottom-right alignment the single query sees every key.
     """
     if q.dim() == 4 and q.shape[2] == 1:
-        return flash_decoding(q, k, v, mask, scale, out=out)
-    return flash_attention(q, k, v, mask, scale, is_causal, out=out)
+        return flash_decoding(q, k, v, mask, scale, softcap, out=out)
+    return flash_attention(q, k, v, mask, scale, is_causal, softcap, out=out)

@@ -6,6 +6,9 @@ reaches memory. GQA maps query head h to KV head h // (Hq / Hkv) by pointer
 arithmetic (no repeat_interleave copy). Causal masking is bottom-right aligned
 (query i sees keys j <= i + Skv - Sq) and also trims the KV loop. Rows that see no
 key at all end as 0 / 0 = nan, exactly as the reference's softmax over all -inf.
+A soft cap (``softcap`` > 0: Gemma2, Grok) bounds the scaled scores to
+``cap * tanh(s / cap)`` before the mask; it is a constexpr branch, so uncapped
+attention compiles without it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,28 @@ from . import _common
 from ._device import dot
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def capped_scores(qk, qk_scale, cap_log2e, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from the raw ``q @ k^T`` tile (fp32).
+
+    Uncapped, ``qk_scale`` is scale * log2(e). Capped, it is 2 * log2(e) * scale / cap and
+    ``cap_log2e`` is cap * log2(e), so that ``cap * tanh(qk * scale / cap) * log2(e)`` is
+    ``cap_log2e * (1 - 2 / (exp2(qk * qk_scale) + 1))``: no libdevice tanh (it builds for
+    both vendors), one exp2 per score like the softmax's, and exp2 overflowing to inf still
+    gives the cap, underflowing to 0 its negative.
+    """
+    if SOFTCAP:
+        return cap_log2e - (2.0 * cap_log2e) / (tl.exp2(qk * qk_scale) + 1.0)
+    return qk * qk_scale
+
+
+def score_scales(scale: float, softcap: float) -> tuple[float, float]:
+    """(qk_scale, cap_log2e) for :func:`capped_scores`; softcap <= 0 means no cap."""
+    if softcap > 0.0:
+        return 2.0 * LOG2E * scale / softcap, softcap * LOG2E
+    return scale * LOG2E, 0.0
 
 
 @triton.jit
@@ -41,9 +66,11 @@ def flash_attention_kernel(
     kv_len,       # i32 Skv
     head_dim,     # i32 D
     v_dim,        # i32 Dv
-    qk_scale,     # fp32 softmax scale * log2(e): the softmax runs on exp2
+    qk_scale,     # fp32 softmax scale * log2(e) (the softmax runs on exp2); see capped_scores if SOFTCAP
+    cap_log2e,    # fp32 cap * log2(e) if SOFTCAP, else unused
     MASK_KIND: tl.constexpr,  # 0 no mask, 1 boolean (u8), 2 additive
     IS_CAUSAL: tl.constexpr,  # bottom-right aligned causal mask
+    SOFTCAP: tl.constexpr,    # cap the scaled scores with tanh before the mask
     BLOCK_M: tl.constexpr,    # queries per program
     BLOCK_N: tl.constexpr,    # keys per loop step
     BLOCK_D: tl.constexpr,    # power of two >= D (>= 16 for tl.dot)
@@ -78,7 +105,7 @@ def flash_attention_kernel(
         n_valid = cols < kv_len
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
-        s = dot(q, kt, DOT_F32) * qk_scale
+        s = capped_scores(dot(q, kt, DOT_F32), qk_scale, cap_log2e, SOFTCAP)
         s = tl.where(n_valid[None, :], s, float("-inf"))
         if MASK_KIND != 0:
             mvals = tl.load(mask_base + offs_m[:, None] * stride_mq + cols[None, :] * stride_mk,
@@ -119,12 +146,24 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in shapes]
 
 
+def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
+    """On AMD, capped attention keeps only the 32-key tiles: the tanh's temporaries spill at
+    64 keys on gfx942 (128x64: 4 bytes, 64x64: 3 at head dim 128; 32-key tiles peak at 248
+    VGPRs). NVIDIA keeps every config (212 registers at most, no spill). ``warp`` sizes
+    another vendor's configs ahead of time (registry.tuning_specs)."""
+    hip = warp == 64 if warp is not None else _common.is_hip()
+    if hip and {**named_args, **kwargs}.get("SOFTCAP"):
+        return [c for c in configs if c.kwargs["BLOCK_N"] <= 32]
+    return configs
+
+
 # Tuned per head dim and masking mode, not per sequence length: prefill lengths change on
 # every request and re-tuning each one would cost more than it saves.
 flash_attention_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1,
                                                             num_stages=1)),
-    key=["head_dim", "v_dim", "MASK_KIND", "IS_CAUSAL"])(flash_attention_kernel)
+    key=["head_dim", "v_dim", "MASK_KIND", "IS_CAUSAL", "SOFTCAP"],
+    prune_configs_by={"early_config_prune": prune_configs})(flash_attention_kernel)
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -142,7 +181,7 @@ def unit_last(*ts: Tensor) -> list[Tensor]:
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-                    is_causal: bool = False, *, out: Tensor | None = None) -> Tensor:
+                    is_causal: bool = False, softcap: float = 0.0, *, out: Tensor | None = None) -> Tensor:
     """``graphopt.attention`` for any Sq (prefill): q [B, Hq, Sq, D], k/v [B, Hkv, Skv, D|Dv]."""
     check_qkv(q, k, v)
     q, k, v = unit_last(q, k, v)
@@ -154,12 +193,13 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
     if kv_len == 0:  # softmax over nothing weights nothing: the reference's matmul gives 0
         return out.zero_()
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    qk_scale, cap_log2e = score_scales(float(scale), float(softcap))
     m, kind, ms = _common.mask_args(mask, (bsz, n_q_heads, q_len, kv_len), q)
     grid = lambda meta: (bsz * n_q_heads, triton.cdiv(q_len, meta["BLOCK_M"]))  # noqa: E731
     flash_attention_tuned[grid](
         q, k, v, m, out, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *ms, *out.stride()[:3],
-        n_q_heads, n_q_heads // k.shape[1], q_len, kv_len, head_dim, v_dim, float(scale) * LOG2E,
-        MASK_KIND=kind, IS_CAUSAL=bool(is_causal),
+        n_q_heads, n_q_heads // k.shape[1], q_len, kv_len, head_dim, v_dim, qk_scale, cap_log2e,
+        MASK_KIND=kind, IS_CAUSAL=bool(is_causal), SOFTCAP=softcap > 0.0,
         BLOCK_D=max(16, _common.next_pow2(head_dim)), BLOCK_DV=max(16, _common.next_pow2(v_dim)),
         DOT_F32=_common.interpreting() and q.dtype == torch.bfloat16,
     )
@@ -167,7 +207,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
 
 
 def aot_specs(name: str, warp: int) -> list[dict]:
-    """fp16, head dim 128, causal with a contiguous additive mask: the widest path, 128x64 tiles.
+    """fp16, head dim 128, causal with a contiguous additive mask: the widest path, 128x64 tiles;
+    then the same with Gemma2's soft cap, on AMD at the 128x32 tiles ``prune_configs`` leaves it.
 
     As the JIT would see it: the mask's key stride is 1 (pinned), the other strides and
     the head dims are multiples of 16.
@@ -177,10 +218,13 @@ def aot_specs(name: str, warp: int) -> list[dict]:
               "stride_vh", "stride_vs", "stride_mb", "stride_mh", "stride_mq", "stride_mk", "stride_ob",
               "stride_oh", "stride_os", "n_q_heads", "group", "q_len", "kv_len", "head_dim", "v_dim"):
         sig[n] = "i32"
-    sig["qk_scale"] = "fp32"
-    constexprs = {"MASK_KIND": 2, "IS_CAUSAL": True, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128,
+    sig["qk_scale"] = sig["cap_log2e"] = "fp32"
+    constexprs = {"MASK_KIND": 2, "IS_CAUSAL": True, "SOFTCAP": False, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_D": 128,
                   "BLOCK_DV": 128, "DOT_F32": False, "stride_mk": 1}
     divisible = tuple(n for n in sig if n.startswith("stride") and n != "stride_mk") + ("head_dim", "v_dim")
     # 256 threads on both vendors; NVIDIA pipelines 3 K/V stages, AMD none at this tile size.
-    return [dict(fn=flash_attention_kernel, signature=sig, constexprs=constexprs, num_warps=256 // warp,
-                 num_stages=3 if warp == 32 else 1, divisible=divisible)]
+    base = dict(fn=flash_attention_kernel, signature=sig, constexprs=constexprs, num_warps=256 // warp,
+                num_stages=3 if warp == 32 else 1, divisible=divisible)
+    capped = {**constexprs, "SOFTCAP": True, **({"BLOCK_N": 32} if warp == 64 else {})}
+    return [base, {**base, "constexprs": capped, "num_stages": 2 if warp == 64 else base["num_stages"],
+                   "label": "softcap"}]

@@ -4,7 +4,8 @@ With one query per head, a program per head has too little work to fill the GPU 
 reads K/V once per query head. Here one program takes one KV head, all the query heads
 that share it (GQA: K/V are read once for the whole group), and one contiguous split
 of the cache; it writes a normalised partial output and its log-sum-exp. A second
-kernel weighs the splits by exp(lse - max) and sums them. Query heads are padded to
+kernel weighs the splits by exp(lse - max) and sums them. A soft cap on the scores is the
+prefill kernel's (``capped_scores``), behind the same constexpr. Query heads are padded to
 16 rows because tl.dot needs M >= 16; decoding is bound by the K/V reads, not by
 the wasted MMA rows.
 """
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from . import _common
 from ._device import dot
-from .flash_attention import LOG2E, check_qkv, unit_last
+from .flash_attention import capped_scores, check_qkv, score_scales, unit_last
 
 
 @triton.jit
@@ -42,8 +43,10 @@ def flash_decoding_split_kernel(
     v_dim,        # i32 Dv
     split_len,    # i32 keys per split, a multiple of BLOCK_N
     num_splits,   # i32 splits per head (grid axis 1)
-    qk_scale,     # fp32 softmax scale * log2(e): the softmax runs on exp2
+    qk_scale,     # fp32 softmax scale * log2(e) (the softmax runs on exp2); see capped_scores if SOFTCAP
+    cap_log2e,    # fp32 cap * log2(e) if SOFTCAP, else unused
     MASK_KIND: tl.constexpr,  # 0 no mask, 1 boolean (u8), 2 additive
+    SOFTCAP: tl.constexpr,    # cap the scaled scores with tanh before the mask
     BLOCK_G: tl.constexpr,    # power of two >= group, >= 16 for tl.dot
     BLOCK_N: tl.constexpr,    # keys per loop step
     BLOCK_D: tl.constexpr,    # power of two >= D (>= 16 for tl.dot)
@@ -75,7 +78,7 @@ def flash_decoding_split_kernel(
         n_valid = cols < hi
         kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
-        s = dot(q, kt, DOT_F32) * qk_scale
+        s = capped_scores(dot(q, kt, DOT_F32), qk_scale, cap_log2e, SOFTCAP)
         s = tl.where(n_valid[None, :], s, float("-inf"))
         if MASK_KIND != 0:
             mvals = tl.load(mask_base + cols[None, :] * stride_mk, mask=g_valid[:, None] & n_valid[None, :], other=0)
@@ -144,7 +147,7 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
 
 flash_decoding_split_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, triton.Config({}, num_warps=1, num_stages=1)),
-    key=["head_dim", "v_dim", "BLOCK_G", "MASK_KIND"])(flash_decoding_split_kernel)
+    key=["head_dim", "v_dim", "BLOCK_G", "MASK_KIND", "SOFTCAP"])(flash_decoding_split_kernel)
 
 
 def default_num_splits(batch_kv_heads: int, kv_len: int, device: torch.device) -> int:
@@ -154,7 +157,7 @@ def default_num_splits(batch_kv_heads: int, kv_len: int, device: torch.device) -
 
 
 def flash_decoding(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float | None = None,
-                   *, num_splits: int | None = None, out: Tensor | None = None) -> Tensor:
+                   softcap: float = 0.0, *, num_splits: int | None = None, out: Tensor | None = None) -> Tensor:
     """``graphopt.attention`` for one query per head (decode), split over the KV cache.
 
     ``num_splits`` is an upper bound; splits are whole BLOCK_N blocks and no split is
@@ -185,8 +188,8 @@ def flash_decoding(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
     block_dv = max(16, _common.next_pow2(v_dim))
     flash_decoding_split_tuned[(bsz * n_kv_heads, num_splits)](
         q, k, v, m, o_part, lse, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], ms[0], ms[1], ms[3],
-        n_kv_heads, group, kv_len, head_dim, v_dim, split_len, num_splits, float(scale) * LOG2E,
-        MASK_KIND=kind, BLOCK_G=max(16, _common.next_pow2(group)), BLOCK_N=BLOCK_N,
+        n_kv_heads, group, kv_len, head_dim, v_dim, split_len, num_splits, *score_scales(float(scale), float(softcap)),
+        MASK_KIND=kind, SOFTCAP=softcap > 0.0, BLOCK_G=max(16, _common.next_pow2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, _common.next_pow2(head_dim)), BLOCK_DV=block_dv,
         DOT_F32=_common.interpreting() and q.dtype == torch.bfloat16,
     )
@@ -198,7 +201,8 @@ def flash_decoding(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
 
 
 def aot_specs(name: str, warp: int) -> list[dict]:
-    """fp16, head dim 128, GQA group 8 (Llama-3 8B), boolean mask; then the reduction over 16 splits.
+    """fp16, head dim 128, GQA group 8 (Llama-3 8B), boolean mask; then the reduction over 16 splits;
+    then the split kernel again with Gemma2's soft cap.
 
     As the JIT would see it: the mask's key stride is 1 (pinned), the other strides, the
     head dims and the split length are multiples of 16.
@@ -209,9 +213,9 @@ def aot_specs(name: str, warp: int) -> list[dict]:
               "stride_vs", "stride_mb", "stride_mh", "stride_mk", "n_kv_heads", "group", "kv_len", "head_dim",
               "v_dim", "split_len", "num_splits"):
         sig[n] = "i32"
-    sig["qk_scale"] = "fp32"
+    sig["qk_scale"] = sig["cap_log2e"] = "fp32"
     split = dict(fn=flash_decoding_split_kernel, signature=sig,
-                 constexprs={"MASK_KIND": 1, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128,
+                 constexprs={"MASK_KIND": 1, "SOFTCAP": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128,
                              "DOT_F32": False, "stride_mk": 1},
                  num_warps=128 // warp, num_stages=3 if warp == 32 else 2,
                  divisible=tuple(n for n in sig if n.startswith("stride") and n != "stride_mk")
@@ -221,4 +225,5 @@ def aot_specs(name: str, warp: int) -> list[dict]:
     reduce = dict(fn=flash_decoding_reduce_kernel, signature=reduce_sig,
                   constexprs={"BLOCK_S": 16, "BLOCK_DV": 128}, num_warps=max(1, 64 // warp), num_stages=1,
                   divisible=("stride_ob", "stride_oh", "v_dim"))
-    return [split, reduce]
+    capped = {**split, "constexprs": {**split["constexprs"], "SOFTCAP": True}, "label": "softcap"}
+    return [split, reduce, capped]

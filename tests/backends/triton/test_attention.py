@@ -125,3 +125,75 @@ def test_rejects_heads_that_do_not_group():
     q, k, v = _qkv(1, 3, 2, 1, 4, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="multiple"):
         dispatch.attention(q, k, v)
+
+
+# ---------------------------------------------------------------- soft-capped scores (Gemma2, Grok)
+
+CAP = 5.0
+# (shape as PREFILL, mask kind, causal): GQA with more keys than queries, causal; Dv != D with
+# an additive [Sq, Skv] mask; one partial tile with a boolean mask, causal.
+PREFILL_CAPPED = [(PREFILL[1], None, True), (PREFILL[2], "additive", False), (PREFILL[0], "bool", True)]
+
+
+def _capped_qkv(shape, dtype):
+    """q and k tripled: scores reach far past CAP, so a kernel that skipped the cap would fail."""
+    q, k, v = _qkv(*shape, dtype)
+    return (q.float() * 3).to(dtype), (k.float() * 3).to(dtype), v
+
+
+def _cap_changes_the_result(q, k, v, mask, is_causal):
+    capped, plain = ops.attention(q, k, v, mask, None, is_causal, CAP), ops.attention(q, k, v, mask, None, is_causal)
+    with pytest.raises(AssertionError):
+        assert_matches(plain, capped, equal_nan=True)
+    return capped
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, mask_kind, is_causal", PREFILL_CAPPED)
+def test_flash_attention_softcap(shape, mask_kind, is_causal, dtype):
+    b, hq, hkv, sq, skv, d, dv = shape
+    q, k, v = _capped_qkv(shape, dtype)
+    mask = _mask(mask_kind, b, hq, sq, skv, dtype)
+    ref = _cap_changes_the_result(q, k, v, mask, is_causal)
+    out = poisoned((b, hq, sq, dv), dtype)
+    got = fa.flash_attention(q, k, v, mask, None, is_causal, CAP, out=out)
+    assert got is out
+    assert_matches(got, ref, equal_nan=True)
+    assert got.isnan().sum() == ref.isnan().sum()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape, mask_kind, num_splits", [(DECODE[1], None, 3), (DECODE[2], "additive", 1)])
+def test_flash_decoding_softcap(shape, mask_kind, num_splits, dtype):
+    b, hq, hkv, skv, d, dv = shape
+    q, k, v = _capped_qkv((b, hq, hkv, 1, skv, d, dv), dtype)
+    mask = _mask(mask_kind, b, hq, 1, skv, dtype)
+    ref = _cap_changes_the_result(q, k, v, mask, False)
+    out = poisoned((b, hq, 1, dv), dtype)
+    got = fd.flash_decoding(q, k, v, mask, None, CAP, num_splits=num_splits, out=out)
+    assert got is out
+    assert_matches(got, ref)
+
+
+@pytest.mark.parametrize("sq", [1, 4])
+def test_graphopt_triton_op_passes_the_cap_to_the_kernel(sq):
+    # The graphopt_triton op copies graphopt.attention's schema, softcap included, and must
+    # run the kernel (not the reference) for it.
+    from graphopt.backends.triton import ops as triton_ops
+
+    op = triton_ops.triton_op("graphopt.attention")
+    q, k, v = _capped_qkv((1, 4, 2, sq, 20, 16, 16), torch.float32)
+    before = triton_ops.calls[("graphopt.attention", "kernel")]
+    got = op(q, k, v, None, 0.3, True, CAP)
+    assert triton_ops.calls[("graphopt.attention", "kernel")] == before + 1
+    assert_matches(got, ops.attention(q, k, v, None, 0.3, True, CAP))
+
+
+def test_amd_capped_prefill_tunes_only_tiles_that_do_not_spill():
+    # gfx942 spills the tanh's temporaries at 64-key tiles (see prune_configs); NVIDIA and
+    # uncapped attention keep every config.
+    amd, nvidia = fa.gpu_configs(hip=True), fa.gpu_configs(hip=False)
+    kept = fa.prune_configs(amd, {"SOFTCAP": True}, warp=64)
+    assert kept and all(c.kwargs["BLOCK_N"] == 32 for c in kept) and len(kept) < len(amd)
+    assert fa.prune_configs(amd, {"SOFTCAP": False}, warp=64) == amd
+    assert fa.prune_configs(nvidia, {}, warp=32, SOFTCAP=True) == nvidia
