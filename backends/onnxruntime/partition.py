@@ -33,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.backends.onnxruntime import lowering
+from graphopt.backends.onnxruntime import lowering, placement
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
 from graphopt.backends.onnxruntime.placement import EAGER, ORT, Plan, refusal, schedule
 from graphopt.backends.onnxruntime.translations import translation_table
@@ -193,6 +193,10 @@ def _part_inputs(split: fx.GraphModule, names: list[str], example_inputs) -> dic
     parts the target sizes from their fake values."""
     if example_inputs is None or any(isinstance(x, torch.SymInt) for x in example_inputs):
         return {}
+    parts = [m for m in split.children() if isinstance(m, fx.GraphModule)]
+    if any(placement.mutates(n) for part in parts for n in part.graph.nodes):
+        # An in-place op (a cache write) must not write the caller's tensors at compile time.
+        example_inputs = [x.clone() if isinstance(x, torch.Tensor) else x for x in example_inputs]
     seen: dict[str, list] = {}
     wanted = set(names)
 

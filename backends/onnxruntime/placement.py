@@ -110,7 +110,7 @@ def schedule(gm: fx.GraphModule, eager: dict[fx.Node, str]) -> Plan:
     """Place each node (module docstring); ``eager`` holds the refused nodes."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     side = {n: EAGER if n in eager else _NEUTRAL if _is_neutral(n) else ORT for n in nodes}
-    if any(_mutates(n) for n in nodes):
+    if any(mutates(n) for n in nodes):
         order = nodes
     else:
         order = _greedy_order(nodes, side)
@@ -135,7 +135,8 @@ def _is_neutral(node: fx.Node) -> bool:
                                                                        torch._ops.HigherOrderOperator))
 
 
-def _mutates(node: fx.Node) -> bool:
+def mutates(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op that writes one of its inputs in place."""
     return isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
 
 
