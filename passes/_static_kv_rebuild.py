@@ -223,8 +223,8 @@ class Rebuilder:
             additive = self.mask("additive", val(mask).dtype)
             mask = self.call(aten.add.Tensor, (mask, additive), like=old)
         if is_graphopt:
-            return self.call(old.target, (bound["q"], bound["k"], bound["v"], mask, bound.get("scale"), False),
-                             like=old)
+            return self.call(old.target, (bound["q"], bound["k"], bound["v"], mask, bound.get("scale"), False,
+                                          bound.get("softcap", 0.0)), like=old)
         dropout = bound.get("dropout_p", 0.0)
         expect(dropout == 0.0, f"dropout_p {dropout}", old)
         sdpa = self.call(aten.scaled_dot_product_attention.default,

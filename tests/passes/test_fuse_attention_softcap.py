@@ -174,3 +174,30 @@ def test_other_matmuls_are_screened_with_their_reason():
     screened = [m for m in result.near_misses if m.screened]
     assert screened and {m.reason for m in screened} == {"its first operand is no softmax output (not probs @ v)"}
     assert not [m for m in result.near_misses if not m.screened]
+
+
+# ---------------------------------------------------------------- passes after it keep the cap
+
+def test_static_kv_cache_keeps_the_cap():
+    # static_kv_cache rebuilds each graphopt.attention over its static cache: the cap must survive.
+    from tests.passes.test_static_kv_cache import _attention_inputs, export_step
+
+    class CappedCacheAttention(nn.Module):
+        def forward(self, q, k_new, v_new, past):
+            k, v = torch.cat([past[0], k_new], dim=-2), torch.cat([past[1], v_new], dim=-2)
+            return torch.ops.graphopt.attention(q, k, v, None, 2.0, False, 1.0), k, v
+
+    module = CappedCacheAttention()
+    (q, k, v), past = _attention_inputs()
+    result = run_pass("static_kv_cache", export_step(module, q, k, v, past=past), max_length=16)
+    assert result.modified, result.near_misses
+    (q, k, v), real_past = _attention_inputs(past_len=9)
+    caches = [torch.full((1, 2, 16, 8), 50.0) for _ in range(2)]
+    for c, p in zip(caches, real_past):
+        c[:, :, :9] = p
+    (got,) = result.gm(q, k, v, *caches, torch.tensor(9))
+    expected = module(q, k, v, real_past)[0]
+    uncapped = torch.ops.graphopt.attention(q, torch.cat([real_past[0], k], 2), torch.cat([real_past[1], v], 2),
+                                            None, 2.0, False)
+    assert (uncapped - expected).abs().max() > 1e-2  # the cap matters on this data
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
