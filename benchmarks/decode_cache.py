@@ -21,7 +21,7 @@ import sys
 import torch
 
 from graphopt import models
-from graphopt.generate import generate_with_reference
+from graphopt.generation import generate_with_reference
 
 STEPS = (16, 128, 512)
 

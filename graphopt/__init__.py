@@ -13,7 +13,7 @@ import torch
 import graphopt.ops  # noqa: F401  (registers the graphopt:: ops)
 from graphopt.config import Options, describe_options
 from graphopt.errors import GraphoptError, OptionsError
-from graphopt.generate import generate  # decoding with a static KV cache (graphopt.generate(...))
+from graphopt.generation import generate  # decoding on any target (graphopt.generate(...))
 from graphopt.registry import register_pass, scoped_passes, unregister_pass
 from graphopt.report import CompileReport, reports, reset
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,8 @@ class DecodeStep(nn.Module):
 def cache_steps(model: nn.Module, otherwise: str = "export it without --kv-cache") -> tuple[nn.Module, nn.Module]:
     """(prefill, decode step) modules with the flat cache interface for ``model``; for a model
     without a cache to export, GraphoptError in one line that ends with ``otherwise``."""
-    from graphopt.backends.onnxruntime.hf_steps import HFCacheStep, is_causal_lm
+    from graphopt.backends.onnxruntime.hf_steps import HFCacheStep
+    from graphopt.generation.runner import is_causal_lm
 
     if is_causal_lm(model):
         return HFCacheStep(model), HFCacheStep(model)
@@ -144,38 +145,19 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     return tool.ExportResult(files, timer.seconds, records, prefill_result.fallbacks + step_result.fallbacks, extra)
 
 
-def _runner(model: Any, provider: str):
-    from graphopt.backends.onnxruntime.session import SessionRunner, create_session
-
-    return model if isinstance(model, SessionRunner) else SessionRunner(create_session(model, provider))
-
-
 def greedy_generate_ort(prefill: Any, decode: Any, input_ids: Tensor, max_new_tokens: int,
                         provider: str = "cpu") -> Tensor:
-    """Greedy decoding with the two exported models (paths, bytes, OnnxModels or SessionRunners).
+    """Greedy tokens [B, S + max_new_tokens] from the two exported models (paths, bytes,
+    OnnxModels or SessionRunners), decoded by graphopt.generation's loop."""
+    from graphopt.backends.onnxruntime.decoder import OrtRunner
+    from graphopt.generation import Sampler, drive
 
-    Returns [B, S + max_new_tokens] token ids: the prompt, then the argmax of each step.
-    """
-    prefill_run, decode_run = _runner(prefill, provider), _runner(decode, provider)
-    outputs = prefill_run(input_ids)
-    return _greedy_loop(lambda ids, cache: decode_run(ids, *cache), outputs[0], outputs[1:], input_ids,
-                        max_new_tokens)
+    runner = OrtRunner.from_models(prefill, decode, provider)
+    return drive([runner], input_ids, None, max_new_tokens, [Sampler()])[0].sequences
 
 
 def greedy_generate_eager(model: nn.Module, input_ids: Tensor, max_new_tokens: int) -> Tensor:
     """The same loop on the PyTorch model: the reference the ORT tokens must equal."""
-    prefill, step = cache_steps(model)
-    with torch.no_grad():
-        outputs = prefill(input_ids)
-        return _greedy_loop(lambda ids, cache: step(ids, *cache), outputs[0], outputs[1:], input_ids, max_new_tokens)
+    from graphopt.generation import eager_generate
 
-
-def _greedy_loop(decode, logits: Tensor, cache: Sequence[Tensor], input_ids: Tensor, max_new_tokens: int) -> Tensor:
-    tokens = [input_ids]
-    for i in range(max_new_tokens):
-        next_token = logits[:, -1].argmax(-1, keepdim=True).to(input_ids.dtype)
-        tokens.append(next_token)
-        if i + 1 < max_new_tokens:
-            outputs = decode(next_token, list(cache))
-            logits, cache = outputs[0], outputs[1:]
-    return torch.cat(tokens, dim=1)
+    return eager_generate(model, input_ids, max_new_tokens).sequences

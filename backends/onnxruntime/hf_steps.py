@@ -3,7 +3,7 @@
 ``HFCacheStep(model)(input_ids)`` is the prefill: ``-> (logits, k_0, v_0, k_1, ...)``;
 ``HFCacheStep(model)(input_ids, k_0, v_0, ...)`` a decode step: ``-> (logits, present k_0,
 ...)``, the same interface as generate.PrefillStep / DecodeStep give graphopt's built-in
-Llama. Both run graphopt.decode_step.HFCausalStep, the adapter graphopt.generate's eager
+Llama. Both run graphopt.generation.runner.HFCausalStep, the adapter graphopt.generate's eager
 reference decodes with, so what is exported is that forward: a DynamicCache built from the
 tensors inside it (its update is the ``cat(past, new, -2)`` the ORT lowering turns into
 GroupQueryAttention with past/present), positions counted from the past length, and the
@@ -21,7 +21,8 @@ GroupQueryAttention with past/present. Models whose mask carries more than causa
 sliding window) or whose attention does not dispatch through transformers'
 AttentionInterface keep their masks (``mask_kept`` says why).
 
-Precondition: no padding; the exported models take no attention_mask.
+Precondition: no padding; the exported models take no attention_mask (graphopt.generate
+decodes a padded batch on ORT as groups of one prompt length).
 """
 
 from __future__ import annotations
@@ -34,13 +35,6 @@ from torch import Tensor, nn
 
 # The name of the sdpa copy; mask creation returns None for any name it has no mask for.
 UNMASKED_SDPA = "graphoptunmasked_sdpa"
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers model that generates from a cache of its own (decoder-only)."""
-    config = getattr(model, "config", None)
-    return (type(model).__module__.startswith("transformers.") and hasattr(model, "generate")
-            and not getattr(config, "is_encoder_decoder", False))
 
 
 def mask_kept(model: nn.Module) -> str | None:
@@ -62,14 +56,14 @@ class HFCacheStep(nn.Module):
     the prefill without a past, a decode step with one (past flattened k_0, v_0, k_1, ...)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from graphopt.decode_step import HFCausalStep
+        from graphopt.generation.runner import HFCausalStep
 
         super().__init__()
         self.step = HFCausalStep(model)
         self.mask_kept = mask_kept(model)
 
     def forward(self, input_ids: Tensor, *past: Tensor) -> tuple[Tensor, ...]:
-        from graphopt.decode_step import positions
+        from graphopt.generation.runner import positions
 
         batch, length = input_ids.shape
         start = past[0].shape[2] if past else 0

@@ -6,7 +6,6 @@ over a static KV cache) against the eager model with its own growing cache.
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 
@@ -96,16 +95,6 @@ def _print_human(result: dict, reports) -> None:
             console.print(f"[yellow]fallback[/] {fb['where']}: {fb['reason']}")
 
 
-# Decode loops by resolved target. graphopt.generate runs its static-cache step on targets that
-# execute graph nodes in order (graphopt.decode_step.IN_PLACE_TARGETS). Any other target plugs
-# in here as "module:function": a function with graphopt.generate_with_reference's signature,
-# (model, input_ids, max_new_tokens, *, options) -> (result, eager reference), both
-# graphopt.generate.GenerateResult, decoded in lockstep so both see the same machine noise.
-GENERATE_LOOPS: dict[str, str] = {
-    "onnxruntime": "graphopt.backends.onnxruntime.decoder:generate_with_reference",
-}
-
-
 def _builds(reports) -> list[dict]:
     """Every export / session / kernel the targets built, each with its graph's index."""
     return [{**b, "graph": r.graph_index} for r in reports for b in r.builds]
@@ -124,34 +113,10 @@ def _no_reports_reason(target: str, out) -> str | None:
     return "no graph was compiled"
 
 
-def _generate_loop(config) -> tuple[str, object]:
-    """(target name, the decode function for it)."""
-    from graphopt.decode_step import IN_PLACE_TARGETS
-    from graphopt.errors import GraphoptError, TargetUnavailable
-    from graphopt.generate import generate_with_reference
-    from graphopt.targets import resolve_target
-
-    try:
-        name = resolve_target(config)[0].name
-    except TargetUnavailable:
-        return "eager", generate_with_reference  # graphopt.generate reports the fallback itself
-    where = GENERATE_LOOPS.get(name)
-    if where is not None:
-        module, attr = where.split(":")
-        try:
-            return name, getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as error:
-            raise GraphoptError(f"--generate on target {name} needs {where}, which does not load ({error}); "
-                                "use --target eager") from None
-    if name in IN_PLACE_TARGETS or config.target == "auto":  # auto: graphopt.generate falls back and says so
-        return (name if name in IN_PLACE_TARGETS else "eager"), generate_with_reference
-    raise GraphoptError(f"--generate does not run on target {name} yet (no decode loop registered in "
-                        "graphopt/cli/run_cmd.py GENERATE_LOOPS); use --target eager")
-
-
 def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens: int, json_out: bool) -> None:
     from graphopt.cli.model_source import load_model
     from graphopt.errors import GraphoptError
+    from graphopt.generation import generate_with_reference
 
     if tokens < 1:
         raise GraphoptError(f"--generate needs at least 1 token, got {tokens}")
@@ -160,10 +125,10 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
     if loaded.family not in ("llama", "hf-causal-lm"):
         raise GraphoptError(f"--generate needs a causal LM; {spec} is a {loaded.family} model")
     input_ids = loaded.example_inputs[0]
-    target, loop = _generate_loop(config)
     graphopt.reset()
-    with step(f"generating {tokens} tokens with graphopt ({target}) and eagerly", json_out):
-        out, ref = loop(loaded.module, input_ids, tokens, options=config.to_dict())
+    with step(f"generating {tokens} tokens with graphopt (target {config.target}) and eagerly", json_out):
+        out, ref = generate_with_reference(loaded.module, input_ids, tokens, options=config.to_dict())
+    target = out.target  # the runner that decoded (auto resolved; eager after a fallback)
     steps = list(out.ms_per_token)
     early, late = _median(steps[7:24]), _median(steps[-16:])
     extra = {k: getattr(out, k, None) for k in ("prefill_compiles", "prefill_ms", "compile_s", "fallback", "cuda_graphs")}

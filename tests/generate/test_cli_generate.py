@@ -1,4 +1,4 @@
-"""``graphopt run MODEL --generate N``: the generate block of its JSON, and its dispatch seam."""
+"""``graphopt run MODEL --generate N`` (graphopt.generate with the eager reference) and the ORT runner."""
 
 import json
 
@@ -10,7 +10,7 @@ from graphopt.cli import run_cmd
 from graphopt.cli.main import app
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
-from graphopt.generate import generate_with_reference
+from graphopt.generation import generate_with_reference
 
 
 def test_generate_json_block():
@@ -30,36 +30,22 @@ def test_generate_needs_a_causal_lm():
     assert result.exit_code != 0 and "--generate needs a causal LM; bert-tiny is a bert model" in str(result.exception)
 
 
-def fake_loop(model, input_ids, max_new_tokens, *, options=None):
-    """What a target's own decode loop is called like (it returns (result, eager reference))."""
-    return ("fake", options["target"])
+def test_run_generate_on_auto_names_the_target_that_decoded(monkeypatch):
+    """run --generate goes through graphopt.generation; the JSON names the runner's target."""
+    from graphopt.generation import api
+
+    monkeypatch.setattr(api, "resolve_name", lambda config: "eager")
+    result = CliRunner().invoke(app, ["run", "llama-tiny", "--generate", "3", "--seq-len", "4", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["target"] == "eager"
 
 
-def test_dispatch_on_the_resolved_target(monkeypatch):
-    from graphopt.backends.onnxruntime import decoder
+def test_a_runner_that_does_not_load_says_so(monkeypatch):
+    from graphopt.generation import api
 
-    assert run_cmd._generate_loop(Options.parse({"target": "eager"})) == ("eager", generate_with_reference)
-    assert run_cmd._generate_loop(Options.parse({"target": "onnxruntime"})) == \
-        ("onnxruntime", decoder.generate_with_reference)
-    monkeypatch.setitem(run_cmd.GENERATE_LOOPS, "eager", "tests.generate.test_cli_generate:fake_loop")
-    name, loop = run_cmd._generate_loop(Options.parse({"target": "eager"}))
-    assert name == "eager" and loop(None, None, 1, options={"target": "eager"}) == ("fake", "eager")
-    monkeypatch.setitem(run_cmd.GENERATE_LOOPS, "eager", "tests.generate.no_such_module:loop")
-    with pytest.raises(GraphoptError, match="does not load"):
-        run_cmd._generate_loop(Options.parse({"target": "eager"}))
-
-
-def test_a_target_without_a_decode_loop_says_so(monkeypatch):
-    from graphopt import targets
-
-    class Other:
-        name = "onnxruntime"
-
-    monkeypatch.setattr(targets, "resolve_target", lambda config: (Other(), []))
-    monkeypatch.delitem(run_cmd.GENERATE_LOOPS, "onnxruntime")
-    with pytest.raises(GraphoptError, match="does not run on target onnxruntime yet"):
-        run_cmd._generate_loop(Options.parse({"target": "onnxruntime"}))
-    assert run_cmd._generate_loop(Options.parse({"target": "auto"})) == ("eager", generate_with_reference)
+    monkeypatch.setitem(api.RUNNERS, "eager", "tests.generate.no_such_module:Runner")
+    with pytest.raises(GraphoptError, match="step runner tests.generate.no_such_module:Runner does not load"):
+        api.make_runner(None, Options.parse({"target": "eager"}), 8)
 
 
 ort = pytest.importorskip("onnxruntime")
@@ -82,28 +68,25 @@ def test_generate_on_onnxruntime_batch_of_two():
     import torch
 
     from graphopt import models
-    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
-
     model = models.build("llama-tiny").eval()
     ids = models.example_inputs("llama-tiny", batch=2, seq_len=3, seed=3)[0]
-    out, ref = ort_generate(model, ids, 5, options={"target": "onnxruntime"})
-    assert out.fallback is None and out.sequences.shape == (2, 8)
+    out, ref = generate_with_reference(model, ids, 5, options={"target": "onnxruntime"})
+    assert out.fallback is None and out.sequences.shape == (2, 8) and out.target == "onnxruntime"
     assert torch.equal(out.sequences, ref.sequences)
 
 
 def test_generate_on_onnxruntime_refuses_a_model_without_an_explicit_cache():
     import torch
 
-    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
+    from graphopt.backends.onnxruntime.decoder import OrtRunner
 
     with pytest.raises(GraphoptError, match="like graphopt's built-in Llama.*use --target eager"):
-        ort_generate(torch.nn.Linear(4, 4), torch.zeros(1, 3, dtype=torch.long), 2, options={"target": "onnxruntime"})
+        OrtRunner(torch.nn.Linear(4, 4), Options.parse({"target": "onnxruntime"}))
 
 
 def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
     from graphopt import models
     from graphopt.backends.onnxruntime import generate as ort_files
-    from graphopt.backends.onnxruntime.decoder import generate_with_reference as ort_generate
 
     def broken(*args, **kwargs):
         raise RuntimeError("exporter exploded")
@@ -111,11 +94,11 @@ def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
     monkeypatch.setattr(ort_files, "export_kv_cache", broken)
     model = models.build("llama-tiny").eval()
     ids = models.example_inputs("llama-tiny", batch=1, seq_len=4, seed=0)[0]
-    out, ref = ort_generate(model, ids, 3, options={"target": "onnxruntime"})
-    assert out.fallback == "RuntimeError: exporter exploded"
+    out, ref = generate_with_reference(model, ids, 3, options={"target": "onnxruntime"})
+    assert out.fallback == "RuntimeError: exporter exploded" and out.target == "eager"
     assert out.sequences.equal(ref.sequences)
     with pytest.raises(GraphoptError, match="exporter exploded"):
-        ort_generate(model, ids, 3, options={"target": "onnxruntime", "fallback": "error"})
+        generate_with_reference(model, ids, 3, options={"target": "onnxruntime", "fallback": "error"})
 
 
 def test_first_mismatch_names_where_greedy_decoding_diverged():

@@ -5,8 +5,8 @@ import torch
 
 import graphopt
 from graphopt import models
-from graphopt.decode_step import StepCache
-from graphopt.generate import GenerateResult, Sampler, eager_generate, generate_with_reference
+from graphopt.generation import GenerateResult, Sampler, eager_generate, generate_with_reference
+from graphopt.generation.static import StepCache
 
 NEW = 12
 
@@ -39,6 +39,7 @@ def test_greedy_tokens_equal_eager_with_its_growing_cache(model, prompt, pair):
     assert torch.equal(greedy.sequences, reference.sequences)
     assert torch.equal(reference.sequences, eager_generate(model, prompt, NEW).sequences)
     assert greedy.fallback is None and reference.compiles == 0
+    assert greedy.target == "eager" and reference.target == "eager" and greedy.new_lengths == [NEW, NEW]
     assert len(reference.ms_per_token) == len(greedy.ms_per_token) == NEW - 1
 
 
@@ -101,7 +102,7 @@ def test_falls_back_to_eager_and_says_why(model, prompt):
     out = graphopt.generate(peeks, prompt[:1], 3, options={"target": "eager"})
     assert out.fallback and "only attention may read" in out.fallback
     assert torch.equal(out.sequences, eager_generate(peeks, prompt[:1], 3).sequences)
-    with pytest.raises(graphopt.GraphoptError, match="could not compile a static-cache step"):
+    with pytest.raises(graphopt.GraphoptError, match="could not build a step for target eager"):
         graphopt.generate(peeks, prompt[:1], 3, options={"target": "eager", "fallback": "error"})
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt import ir, models
-from graphopt.decode_step import ExplicitCacheStep
+from graphopt.generation.runner import ExplicitCacheStep
 from graphopt.frontend import export_aten_graph
 from graphopt.ops.kv_cache import kv_cache_update
 from graphopt.passes.static_kv_cache import spec_of

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from graphopt.backends.onnxruntime.generate import decode_path, greedy_generate_eager, greedy_generate_ort  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.cli.model_source import load_model  # noqa: E402
-from graphopt.decode_step import HFCausalStep  # noqa: E402
+from graphopt.generation.runner import HFCausalStep  # noqa: E402
 
 runner = CliRunner()
 GQA, MHA = "com.microsoft::GroupQueryAttention", "com.microsoft::MultiHeadAttention"

@@ -1,30 +1,21 @@
-"""One step of decoding as a graph with a static KV cache: adapters, compile, buffers.
+"""The compiled static-cache step runner (targets that run graph nodes in order: eager, triton).
 
-``graphopt.generate`` needs every causal LM to look the same to torch.export:
-``step(input_ids [B, S], position_ids [B, S], past: list of [B, H, S_past, D]) ->
-(logits, *present)`` with past/present flattened as k0, v0, k1, v1, ... . Two adapters
-provide it:
-- :class:`ExplicitCacheStep` for models whose ``forward(input_ids, past_key_values=None,
-  position_ids=None)`` returns ``(logits, ((k, v), ...))`` (graphopt's reference Llama);
-- :class:`HFCausalStep` for ``transformers`` causal LMs: it builds a ``DynamicCache`` from the
-  tensors inside the traced forward, so the graph shows DynamicCache's ``torch.cat`` on dim -2.
+:func:`compile_static_step` exports a step (graphopt.generation.runner's adapters) with a
+dynamic past length, runs the configured fusion pipeline, then ``static_kv_cache`` (which
+turns the cache's cats into in-place updates of caches this module allocates) and
+``cuda_graphs`` (which marks the capturable regions), and lowers the result to the target: a
+graph with identical shapes at every position, so one compilation serves every decode step.
+:class:`StaticRunner` drives those graphs over one set of :class:`CacheBuffers`.
 
-:func:`compile_static_step` exports a step with a dynamic past length, runs the configured
-fusion pipeline, then ``static_kv_cache`` (which turns the cats into in-place updates of
-caches this module allocates) and ``cuda_graphs`` (which marks the capturable regions), and
-lowers the result to the target: a graph with identical shapes at every position.
-:class:`StaticDecoder` drives those graphs over one set of :class:`CacheBuffers`, and
-:class:`EagerDecoder` the model with its own growing cache (the reference); both decode
-step by step so ``graphopt.generate.drive`` can run them in lockstep.
+The graphs take no attention mask, so a padded batch is decoded in groups of one prompt
+length (graphopt.generation.api does that and says so).
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -35,82 +26,19 @@ from graphopt.compiler import lower, run_pipeline
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
 from graphopt.frontend import export_aten_graph
+from graphopt.generation.runner import positions, step_adapter
 from graphopt.pass_manager import PassContext, PassManager, PipelineResult
-from graphopt.pipeline import build_pipeline
 from graphopt.passes.static_kv_cache import StaticCacheSpec, spec_of
+from graphopt.pipeline import build_pipeline
 from graphopt.registry import get_pass
 from graphopt.report import CompileReport, record
 from graphopt.targets import resolve_target
 
 # Targets that run a graph's nodes in order, so an in-place kv_cache_update happens before
-# the attention that reads the cache. ONNX Runtime orders by data dependencies only; it
-# gets its own decode loop (greedy_generate_ort), not this one.
+# the attention that reads the cache. ONNX Runtime orders by data dependencies only; its
+# runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder.py).
 IN_PLACE_TARGETS = ("eager", "triton")
 LAST_PASSES = ("static_kv_cache", "cuda_graphs")
-
-
-class ExplicitCacheStep(nn.Module):
-    """``forward(input_ids, past_key_values=None, position_ids=None) -> (logits, ((k, v), ...))``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, ...]:
-        pairs = tuple((past[i], past[i + 1]) for i in range(0, len(past), 2)) or None
-        logits, cache = self.model(input_ids, past_key_values=pairs, position_ids=position_ids)
-        return (logits, *[t for kv in cache for t in kv])
-
-
-class HFCausalStep(nn.Module):
-    """A ``transformers`` causal LM with its cache as tensors (DynamicCache built inside)."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        params = inspect.signature(model.forward).parameters
-        self.cache_arg = "cache" if "cache" in params else "past_key_values"  # transformers 5 renamed it
-        self.extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor, past: list[Tensor]) -> tuple[Tensor, ...]:
-        from transformers import DynamicCache
-
-        pairs = [(past[i], past[i + 1]) for i in range(0, len(past), 2)]
-        cache = DynamicCache(pairs) if pairs else DynamicCache()
-        out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, return_dict=True,
-                         **{self.cache_arg: cache}, **self.extra)
-        new = getattr(out, "cache", None) or out.past_key_values
-        if hasattr(new, "layers"):
-            flat = [t for layer in new.layers for t in (layer.keys, layer.values)]
-        else:  # transformers 4.x keeps per-layer lists
-            flat = [t for pair in zip(new.key_cache, new.value_cache) for t in pair]
-        return (out.logits, *flat)
-
-
-@contextlib.contextmanager
-def inference_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode (no dropout in the graphs) for the block, its own mode restored after."""
-    modes = {m: m.training for m in model.modules()}
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, training in modes.items():
-            m.training = training
-
-
-def step_adapter(model: nn.Module) -> nn.Module:
-    """The step adapter for ``model``; GraphoptError naming what is supported otherwise."""
-    if isinstance(model, (ExplicitCacheStep, HFCausalStep)):
-        return model
-    if type(model).__module__.startswith("transformers.") and hasattr(model, "generate"):
-        return HFCausalStep(model)
-    forward = getattr(model, "forward", None)
-    if forward is not None and "past_key_values" in inspect.signature(forward).parameters:
-        return ExplicitCacheStep(model)
-    raise GraphoptError(
-        f"graphopt.generate cannot drive {type(model).__name__}: pass a transformers causal LM or a module whose "
-        "forward(input_ids, past_key_values=None, position_ids=None) returns (logits, ((k, v), ...))")
 
 
 @dataclass
@@ -231,11 +159,6 @@ class CacheBuffers:
         return args + self.scales
 
 
-def positions(batch: int, start: int, length: int, device) -> Tensor:
-    """Position ids ``start .. start + length - 1`` for every row: [batch, length]."""
-    return torch.arange(start, start + length, device=device).expand(batch, length)
-
-
 def _first(out: Any) -> Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -256,65 +179,39 @@ class StepCache:
         return self.graphs[key]
 
 
-class EagerDecoder:
-    """The model run eagerly with its own growing (concatenated) cache: the reference loop.
-
-    Decoders share one protocol so a driver can run several in lockstep: ``prepare`` and
-    ``prepare_step`` do whatever is not decoding (compiling), ``prefill`` and ``step`` decode
-    one chunk and return the next tokens [B, 1]."""
-
-    compiles = prefill_compiles = 0
-    compile_s = 0.0
-    cuda_graphs = ""
-    reports: list = []
-
-    def __init__(self, model: nn.Module, sample: Callable[[Tensor], Tensor]) -> None:
-        self.step_fn, self.sample, self.past = step_adapter(model), sample, []
-
-    def prepare(self, input_ids: Tensor) -> None:
-        pass
-
-    def prefill(self, input_ids: Tensor) -> Tensor:
-        batch, prompt = input_ids.shape
-        logits, *self.past = self.step_fn(input_ids, positions(batch, 0, prompt, input_ids.device), [])
-        return self.sample(logits[:, -1])
-
-    def prepare_step(self, token: Tensor, position: int) -> None:
-        pass
-
-    def step(self, token: Tensor, position: int) -> Tensor:
-        logits, *self.past = self.step_fn(token, positions(token.shape[0], position, 1, token.device), self.past)
-        return self.sample(logits[:, -1])
-
-
-class StaticDecoder:
+class StaticRunner:
     """Compiled prefill and decode graphs over one set of static cache buffers."""
 
-    def __init__(self, model: nn.Module, sample: Callable[[Tensor], Tensor], config: Options,
-                 max_length: int) -> None:
+    pads = False
+
+    def __init__(self, model: nn.Module, config: Options, max_length: int, target: str) -> None:
         from graphopt.cuda_graphs import wrap_step
 
-        self.step_fn, self.sample, self.wrap_step = step_adapter(model), sample, wrap_step
+        self.step_fn, self.wrap_step, self.target = step_adapter(model), wrap_step, target
         self.graphs = StepCache(lambda ids, pos, past: compile_static_step(self.step_fn, ids, pos, past, config,
                                                                             max_length))
         self.runners: dict[int, Callable] = {}
-        self.prefill_compiles, self.cuda_graphs = 0, ""
+        self.compiles = self.prefill_compiles = 0
+        self.cuda_graphs = ""
 
-    def prepare(self, input_ids: Tensor) -> None:
+    def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
         """Compile the prefill graph (raises GraphoptError, or what export raised, when it cannot)."""
         batch, prompt = input_ids.shape
+        before = self.graphs.compiles
         self.probe = example_past(self.step_fn, input_ids)
         self.first = self.graphs.get(input_ids, positions(batch, 0, prompt, input_ids.device), self.probe)
-        self.prefill_compiles = self.graphs.compiles
+        self.prefill_compiles += self.graphs.compiles - before
         self.buffers = CacheBuffers(self.first.spec, input_ids.device)
 
-    def prefill(self, input_ids: Tensor) -> Tensor:
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         batch, prompt = input_ids.shape
         args = self.buffers.inputs(self.first.spec, input_ids, positions(batch, 0, prompt, input_ids.device), 0)
-        return self.sample(_first(self.first.fn(*args))[:, -1])
+        return _first(self.first.fn(*args))[:, -1]
 
     def prepare_step(self, token: Tensor, position: int) -> None:
+        before = self.graphs.compiles
         step = self.graphs.get(token, positions(token.shape[0], position, 1, token.device), self.probe)
+        self.compiles += self.graphs.compiles - before
         if not self.buffers.compatible(step.spec):
             raise GraphoptError("the decode step's static cache differs from the prefill's; this is a graphopt bug")
         if id(step) not in self.runners:
@@ -324,11 +221,7 @@ class StaticDecoder:
     def step(self, token: Tensor, position: int) -> Tensor:
         step, run = self.next
         args = self.buffers.inputs(step.spec, token, positions(token.shape[0], position, 1, token.device), position)
-        return self.sample(_first(run(*args))[:, -1])
-
-    @property
-    def compiles(self) -> int:
-        return self.graphs.compiles - self.prefill_compiles
+        return _first(run(*args))[:, -1]
 
     @property
     def compile_s(self) -> float:

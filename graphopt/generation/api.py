@@ -1,0 +1,191 @@
+"""``graphopt.generate``: decode with the step runner of the chosen target.
+
+    out = graphopt.generate(model, input_ids, 32)                                   # greedy, target auto
+    out = graphopt.generate(model, input_ids, 32, options={"target": "onnxruntime"})
+    out = graphopt.generate(model, ids, 32, attention_mask=mask)                    # left-padded batch
+    out = graphopt.generate(model, ids, 32, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
+    out.target, out.sequences, out.token_ids(0), out.prefill_ms, out.ms_per_token
+
+Which runner decodes (``RUNNERS``): targets that run graph nodes in order (eager, triton) get
+the compiled static-cache step (graphopt.generation.static); onnxruntime gets its exported
+prefill and decode models (backends/onnxruntime/decoder.py); ``auto`` resolves to one of them
+from the hardware. Any other target lowers the static-cache step on eager, and the report
+says so. If a runner cannot be built (export failed, no static cache), the model decodes
+eagerly with its own cache and ``fallback`` says why, unless ``options={"fallback": "error"}``.
+
+A left-padded batch (``attention_mask`` with zeros on the left) decodes in one batch on
+runners that take a mask (the eager reference, for transformers models); the compiled and
+exported steps take none, so their batch decodes as groups of one prompt length, each row
+then giving the tokens it gives alone, and ``notes`` says so.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from graphopt.config import Options
+from graphopt.errors import GraphoptError, TargetUnavailable
+from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
+from graphopt.generation.runner import EagerRunner, inference_mode, step_adapter
+from graphopt.generation.sampling import Sampler, StopConditions
+
+log = logging.getLogger("graphopt")
+
+# Step runners by resolved target, as "module:class"; the class is built as cls(model, config).
+# Targets missing here decode with the static-cache step (graphopt.generation.static).
+RUNNERS: dict[str, str] = {
+    "onnxruntime": "graphopt.backends.onnxruntime.decoder:OrtRunner",
+}
+
+
+def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attention_mask: Any) -> int:
+    """Validate the arguments; returns the static cache length to use."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
+        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise GraphoptError(f"input_ids must be an integer tensor [batch, seq], got {got}")
+    prompt = input_ids.shape[1]
+    if prompt < 1 or max_new_tokens < 0:
+        raise GraphoptError(f"need a prompt of >= 1 token and max_new_tokens >= 0, got {prompt} and {max_new_tokens}")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+            raise GraphoptError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
+        ones = attention_mask.long().cumsum(-1)
+        if not bool(((attention_mask.long() == 1) | (ones == 0)).all()) or bool((attention_mask[:, -1] == 0).any()):
+            raise GraphoptError("attention_mask must pad on the left only (zeros, then ones, every row ending in "
+                                "a token); pad with tokenizer.padding_side = 'left'")
+    max_length = max_length or prompt + max_new_tokens
+    if max_length < prompt + max(max_new_tokens - 1, 0):
+        raise GraphoptError(f"max_length {max_length} cannot hold the prompt ({prompt}) and {max_new_tokens} new "
+                            f"tokens; pass max_length >= {prompt + max_new_tokens - 1}")
+    return max_length
+
+
+def make_runner(model: nn.Module, config: Options, max_length: int):
+    """The step runner of ``config.target`` (``auto`` resolved here)."""
+    from graphopt.generation.static import IN_PLACE_TARGETS, StaticRunner
+
+    try:
+        name = resolve_name(config)
+    except TargetUnavailable:
+        if config.target != "auto" and config.fallback == "error":
+            raise
+        name = config.target  # lower() reports the unavailable target and falls back to eager itself
+    where = RUNNERS.get(name)
+    if where is not None:
+        module, attr = where.split(":")
+        try:
+            cls = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as error:
+            raise GraphoptError(f"target {name}'s step runner {where} does not load ({error}); "
+                                "use target eager") from None
+        return cls(model, config.replace(target=name))
+    return StaticRunner(model, config, max_length, name if name in IN_PLACE_TARGETS else "eager")
+
+
+def resolve_name(config: Options) -> str:
+    from graphopt.targets import resolve_target
+
+    return resolve_target(config)[0].name
+
+
+def _decode(runners: list, input_ids: Tensor, mask: Tensor | None, max_new_tokens: int,
+            sampler: Callable[[], Sampler], stop: StopConditions, on_token: TokenCallback | None) -> list:
+    """``drive`` on the whole batch, or group by group where a runner takes no attention mask."""
+    if mask is None or all(r.pads for r in runners):
+        return drive(runners, input_ids, mask, max_new_tokens, [sampler() for _ in runners], stop, on_token)
+    lengths = mask.long().sum(-1)
+    grouped: list[list] = [[] for _ in runners]
+    order = sorted(set(lengths.tolist()), reverse=True)
+    for length in order:
+        rows = (lengths == length).nonzero().flatten().tolist()
+        spread = None
+        if on_token is not None:
+            def spread(token, live, rows=rows):  # the group's tokens in the whole batch's rows
+                full = torch.zeros(input_ids.shape[0], 1, dtype=token.dtype, device=token.device)
+                alive = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=token.device)
+                full[rows], alive[rows] = token, live
+                on_token(full, alive)
+        results = drive(runners, input_ids[rows, -length:], None, max_new_tokens,
+                        [sampler() for _ in runners], stop, spread)
+        for k, result in enumerate(results):
+            grouped[k].append((rows, result))
+    merged = [merge_groups(input_ids, groups, stop.pad) for groups in grouped]
+    for runner, result in zip(runners, merged):
+        if not runner.pads:
+            result.notes.append(f"the padded batch of {input_ids.shape[0]} decoded as {len(order)} groups of one "
+                                f"prompt length: the {runner.target} step takes no attention mask")
+    return merged
+
+
+def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference: bool, attention_mask=None,
+         sampling: dict, stop: StopConditions | None, max_length: int | None, options, on_token) -> list:
+    config = Options.parse(options)
+    max_length = _check(input_ids, max_new_tokens, max_length, attention_mask)
+    step_adapter(model)  # one line naming what graphopt decodes, before any target is tried
+    mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+    stop = stop or StopConditions()
+    sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}
+    sampler = lambda: Sampler(**sampling, device=input_ids.device)  # noqa: E731  (one RNG stream per runner)
+    Sampler(**sampling)  # bad sampling arguments fail here, in one line
+    with inference_mode(model):
+        if max_new_tokens == 0:
+            return [GenerateResult(input_ids, input_ids.shape[1], new_lengths=[0] * input_ids.shape[0])] * 2
+        try:
+            runners = [make_runner(model, config, max_length)] + ([EagerRunner(model)] if reference else [])
+            return _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)
+        except GraphoptError as error:
+            reason = str(error)
+        except Exception as error:  # export or a pass crashed: never break the user's decoding
+            reason = f"{type(error).__name__}: {error}"
+        reason = reason.splitlines()[0] if reason else "unknown error"
+        if config.fallback == "error":
+            raise GraphoptError(f"graphopt.generate could not build a step for target {config.target}: {reason}")
+        log.warning("graphopt.generate: %s; decoding eagerly with the model's own cache", reason)
+        runners = [EagerRunner(model) for _ in range(1 + reference)]
+        results = _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)
+        results[0].fallback = reason
+        return results
+
+
+def generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, attention_mask: Tensor | None = None,
+             do_sample: bool = False, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+             seed: int | None = None, stop: StopConditions | None = None, max_length: int | None = None,
+             on_token: TokenCallback | None = None, options: dict | Options | None = None) -> GenerateResult:
+    """Decode up to ``max_new_tokens`` tokens after ``input_ids`` [B, S] on ``options["target"]``.
+
+    ``attention_mask``: [B, S], 0 for left padding. ``stop``: EOS ids / stop strings
+    (``StopConditions``). ``on_token(token [B, 1], live [B])`` sees each token as it comes.
+    ``max_length``: positions the static cache holds (default prompt + max_new_tokens).
+    ``options``: graphopt options; the static cache layout is ``pass_options={"static_kv_cache":
+    {"layout": "bhsd" | "bshd" | "paged", "block_size": 16, "kv_dtype": "auto" | "int8"}}``.
+    """
+    sampling = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return _run(model, input_ids, max_new_tokens, reference=False, attention_mask=attention_mask, sampling=sampling,
+                stop=stop, max_length=max_length, options=options, on_token=on_token)[0]
+
+
+def generate_with_reference(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *,
+                            attention_mask: Tensor | None = None, stop: StopConditions | None = None,
+                            max_length: int | None = None, options: dict | Options | None = None,
+                            **sampling: Any) -> tuple[GenerateResult, GenerateResult]:
+    """``(generate(...), eager_generate(...))`` run in lockstep: comparable tokens and ms/token."""
+    out, ref = _run(model, input_ids, max_new_tokens, reference=True, attention_mask=attention_mask,
+                    sampling=sampling, stop=stop, max_length=max_length, options=options, on_token=None)
+    return out, ref
+
+
+def eager_generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *,
+                   attention_mask: Tensor | None = None, stop: StopConditions | None = None,
+                   **sampling: Any) -> GenerateResult:
+    """The reference: the same loop run eagerly on the model's own growing (concatenated) cache."""
+    _check(input_ids, max_new_tokens, None, attention_mask)
+    mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+    sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}
+    with inference_mode(model):
+        return _decode([EagerRunner(model)], input_ids, mask, max_new_tokens,
+                       lambda: Sampler(**sampling, device=input_ids.device), stop or StopConditions(), None)[0]
