@@ -51,6 +51,11 @@ OP_CASES = {
                           (_r(1, 4, 5, 16), _r(1, 2, 7, 16), _r(1, 2, 7, 16))),
     "attention_decode": ("graphopt.attention", lambda q, k, v: g.attention(q, k, v),
                          (_r(2, 4, 1, 16), _r(2, 2, 7, 16), _r(2, 2, 7, 16))),
+    # Scores of std ~1 against a cap of 1: the tanh changes the result, so a dropped cap shows.
+    "attention_softcap_prefill": ("graphopt.attention", lambda q, k, v: g.attention(q, k, v, None, None, True, 1.0),
+                                  (_r(1, 4, 5, 16), _r(1, 2, 5, 16), _r(1, 2, 5, 16))),
+    "attention_softcap_decode": ("graphopt.attention", lambda q, k, v: g.attention(q, k, v, None, None, False, 1.0),
+                                 (_r(2, 4, 1, 16), _r(2, 2, 7, 16), _r(2, 2, 7, 16))),
     "qkv_proj": ("graphopt.qkv_proj", lambda x, w, b: g.qkv_proj(x, w, b, [16, 8, 8]),
                  (_r(2, 5, 24), _r(32, 24), _r(32))),
     "kv_cache_update": ("graphopt.kv_cache_update", _kv_cache_update,
