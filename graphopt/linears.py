@@ -88,11 +88,13 @@ def match_linear(gemm: fx.Node, what: str) -> Linear:
     return Linear(gemm, x2d, weight, bias, out)
 
 
-def linear_producing(value: fx.Node, what: str) -> Linear:
-    """The linear layer whose output ``value`` is (through the view back to [..., N])."""
+def linear_producing(value: fx.Node, what: str, readers: tuple[fx.Node, ...] = ()) -> Linear:
+    """The linear layer whose output ``value`` is (through the view back to [..., N]).
+    ``readers``: the nodes of the pattern that read ``value`` (``g * sigmoid(g)`` reads it twice)."""
     gemm = value.args[0] if is_op(value, *VIEW_OPS) and is_op(value.args[0], *GEMM_OPS) else value
     lin = match_linear(gemm, what)
-    expect(len(gemm.users) == 1,
+    allowed = {value} if gemm is not value else set(readers)
+    expect(len(gemm.users) == 1 or set(gemm.users) <= allowed,
            f"{what} GEMM {gemm.name} has {len(gemm.users)} users; a fusion would lose the others", gemm)
     expect(lin.out is value, f"{what} output {value.name} is not the GEMM's [..., {lin.width}] result", value)
     return lin

@@ -107,7 +107,7 @@ def gated_mlp_via_merged_projection(product: fx.Node, act: GateActivation, up_ou
 
 
 def gated_mlp_via_two_projections(product: fx.Node, act: GateActivation, up_out: fx.Node) -> GatedMlpMatch:
-    gate = linear_producing(act.gate, "gate projection")
+    gate = linear_producing(act.gate, "gate projection", act.nodes)
     up = linear_producing(up_out, "up projection")
     mismatch = input_mismatch(gate, up, "gate", "up")
     expect(mismatch is None, mismatch, up.x2d)
