@@ -12,6 +12,7 @@ from graphopt.cli import debug_cmd, passes_cmd, run_cmd
 from graphopt.cli import export_cmd
 from graphopt.cli import fuzz_cmd
 from graphopt.cli import kernels_cmd
+from graphopt.cli import generate_cmd
 from graphopt.cli.output import console, error_line, print_json, table
 from graphopt.errors import GraphoptError
 
@@ -34,7 +35,8 @@ def _help(fn) -> str:
 
 
 for _name, _fn in (("passes", passes_cmd.passes), ("run", run_cmd.run), ("debug", debug_cmd.debug),
-                   ("export", export_cmd.export), ("fuzz", fuzz_cmd.fuzz), ("kernels", kernels_cmd.kernels)):
+                   ("export", export_cmd.export), ("fuzz", fuzz_cmd.fuzz), ("kernels", kernels_cmd.kernels),
+                   ("generate", generate_cmd.generate)):
     app.command(_name, help=_help(_fn))(_fn)
 
 

@@ -1,0 +1,133 @@
+"""``graphopt generate MODEL --prompt TEXT``: text in, text out, with the model's own tokenizer.
+
+The prompts are tokenized by the model's tokenizer (left padding when there are several),
+decoded by ``graphopt.generate`` on the chosen target (the same function the library and
+``graphopt run --generate`` call), and printed as text: streamed token by token for one
+prompt, one block per prompt for several. A summary line gives prefill ms, ms/token and
+tokens/s; ``--json`` prints the target, the timings and each prompt's text and new token ids.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import torch
+import typer
+
+from graphopt.cli.common import parse_options
+from graphopt.cli.output import console, print_json, step
+from graphopt.errors import GraphoptError
+
+MODEL_HELP = ("a .gguf file, or a Hugging Face checkpoint directory with safetensors weights and "
+              "tokenizer.json")
+
+
+def generate(
+    model: str = typer.Argument(..., help=MODEL_HELP),
+    prompt: list[str] = typer.Option(..., "--prompt", "-p", help="a prompt (repeatable: several decode as one "
+                                     "left-padded batch)"),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="new tokens per prompt at most"),
+    int4: bool = typer.Option(False, "--int4", help="quantize linear weights to 4 bits (pass quantize_int4)"),
+    target: str = typer.Option(None, "--target", "-t", help="auto | eager | onnxruntime | triton | tensorrt"),
+    chat: bool = typer.Option(False, "--chat", help="wrap each prompt in the tokenizer's chat template as a user turn"),
+    stop: list[str] = typer.Option([], "--stop", help="stop a row when its text contains this (repeatable)"),
+    option: list[str] = typer.Option([], "--option", "-o", help="a backend option as key=value (repeatable); see "
+                                     "`graphopt options`"),
+    json_out: bool = typer.Option(False, "--json", help="print JSON: target, prefill_ms, ms_per_token, outputs "
+                                  "[{prompt, text, token_ids}] (token_ids: the new tokens only)"),
+) -> None:
+    """Generate text from MODEL for each --prompt with graphopt.generate, on the chosen target.
+
+    Greedy decoding; a row stops at the tokenizer's end-of-sequence token, a --stop string, or
+    --max-new-tokens. Target auto picks onnxruntime on a CPU machine (exported prefill and
+    decode models), triton on a GPU.
+
+    Example: graphopt generate model.gguf --prompt "The capital of France is" --max-new-tokens 24
+    Example: graphopt generate ./SmolLM2 --chat -p "Name three rivers." -p "Hi" --target eager --json
+    """
+    import graphopt
+    from graphopt.cli.model_source import load_model
+    from graphopt.cli.tokenizers import load_tokenizer
+    from graphopt.generation import StopConditions
+
+    if max_new_tokens < 1:
+        raise GraphoptError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    config = parse_options(option, target=target, **({"int4": True} if int4 else {}))
+    with step(f"loading {model}", json_out):
+        tokenizer = load_tokenizer(model)
+        texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
+        loaded = load_model(model, single_output=False)
+    if loaded.family != "hf-causal-lm":
+        raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
+    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+    eos = _eos_ids(tokenizer, loaded.module)
+    stops = StopConditions(eos, tuple(stop), decode=tokenizer.decode, pad_token_id=tokenizer.pad_token_id)
+    stream = _Stream(tokenizer) if len(prompt) == 1 and not json_out else None
+    if stream:
+        sys.stdout.write(prompt[0] if not chat else "")
+    with step(f"generating on target {config.target}", json_out or stream is not None):
+        out = graphopt.generate(loaded.module, encoded["input_ids"], max_new_tokens,
+                                attention_mask=encoded["attention_mask"], stop=stops, options=config.to_dict(),
+                                on_token=stream)
+    outputs = [{"prompt": p, "text": tokenizer.decode(out.token_ids(i), skip_special_tokens=True),
+                "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
+    summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
+               "outputs": outputs, "compile_s": out.compile_s, "fallback": out.fallback, "notes": out.notes}
+    if json_out:
+        print_json(summary)
+        return
+    if stream:
+        sys.stdout.write("\n")
+    else:
+        for item in outputs:
+            console.print(item["prompt"] + item["text"], highlight=False, markup=False)
+    _print_summary(summary, len(prompt))
+
+
+def _chat(tokenizer, model: str, text: str) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise GraphoptError(f"the tokenizer of {model} has no chat template; drop --chat and write the prompt whole")
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def _eos_ids(tokenizer, module) -> tuple[int, ...]:
+    """The tokenizer's end-of-sequence id and the model's generation config's, once each."""
+    ids = [tokenizer.eos_token_id]
+    configured = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+    ids += configured if isinstance(configured, list) else [configured]
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+class _Stream:
+    """Prints row 0's text as tokens come; decoding the whole tail each time keeps characters
+    that span tokens (multi-byte UTF-8) whole."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.ids, self.shown = tokenizer, [], ""
+
+    def __call__(self, token: torch.Tensor, live: torch.Tensor) -> None:
+        if not bool(live[0]):
+            return
+        self.ids.append(int(token[0, 0]))
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return  # half a character: wait for the rest
+        sys.stdout.write(text[len(self.shown):])
+        sys.stdout.flush()
+        self.shown = text
+
+
+def _print_summary(summary: dict, batch: int) -> None:
+    steps = summary["ms_per_token"]
+    per_token = statistics.median(steps) if steps else None
+    rate = f"{batch * 1e3 / per_token:.1f} tokens/s" if per_token else "no decode steps"
+    line = (f"target {summary['target']} · prefill {summary['prefill_ms']:.1f} ms · "
+            + (f"{per_token:.2f} ms/token (median) · " if per_token else "") + rate
+            + (f" (batch {batch})" if batch > 1 else "") + f" · compile {summary['compile_s']:.1f} s")
+    console.print(line, highlight=False)
+    if summary["fallback"]:
+        console.print(f"[yellow]fallback[/] {summary['fallback']}")
+    for note in summary["notes"]:
+        console.print(f"note: {note}", highlight=False)
