@@ -46,7 +46,7 @@ from graphopt.passes._attention_operands import (
 )
 from graphopt.rewrite import (
     BATCHED_MATMUL_OPS, MUL_OPS, SDPA_OPS, SOFTMAX_OPS, VIEW_OPS, call_args, cast_like, expect, expect_op,
-    is_cast, is_op, NoMatch, PatternPass, restride_like, scalar, single_use, val,
+    is_cast, is_op, NoMatch, PatternPass, restride_like, scalar, single_use, strip_casts, val,
 )
 
 aten = torch.ops.aten
@@ -192,24 +192,18 @@ def _split_scale(node: fx.Node) -> tuple[fx.Node, float]:
             return node, scale
 
 
-def _through_casts(node: Any) -> Any:
-    while is_cast(node):
-        node = node.args[0]
-    return node
-
-
 def _split_softcap(node: Any) -> tuple[Any, float, float]:
     """(inner, cap, scale factor) for a soft cap ``c * tanh(inner)``: ``c * tanh(a * s)`` equals
     ``|c| * tanh(a * c * s / |c|)``, so the cap is |c| and the scores' scale gains a factor c.
     (node, 0.0, 1.0) when node is no capped value."""
-    outer = _through_casts(node)
-    if not is_op(outer, *MUL_OPS) or not any(is_op(_through_casts(a), aten.tanh.default) for a in outer.args[:2]):
+    outer = strip_casts(node)
+    if not is_op(outer, *MUL_OPS) or not any(is_op(strip_casts(a), aten.tanh.default) for a in outer.args[:2]):
         return node, 0.0, 1.0
     while node is not outer:  # casts between the cap and the mask add
         node = single_use(node, "soft-capped scores cast").args[0]
     single_use(outer, "soft-capped scores")
     a, b = outer.args[:2]
-    tanh, factor = (a, b) if is_op(_through_casts(a), aten.tanh.default) else (b, a)
+    tanh, factor = (a, b) if is_op(strip_casts(a), aten.tanh.default) else (b, a)
     expect(scalar(factor) is not None, "softcap: tanh(scores) is multiplied by a non-constant", outer)
     cap = scalar(factor)
     expect(cap != 0.0, "softcap: tanh(scores) is multiplied by 0", outer)
@@ -298,7 +292,7 @@ def _feeds_on_softmax(anchor: fx.Node) -> bool:
 
 class FuseAttention(PatternPass):
     name = "fuse_attention"
-    summary = "softmax(q k^T * scale + mask) v and the SDPA ops -> graphopt.attention (GQA implicit)"
+    summary = "softmax(cap(q k^T * scale) + mask) v and the SDPA ops -> graphopt.attention (GQA implicit)"
     anchors = SDPA_OPS + BATCHED_MATMUL_OPS
     # Its k/v matching looks through the permute -> clone -> permute copies that fuse_rope
     # leaves in front of attention; without fuse_rope those copies would split the match.
