@@ -53,6 +53,7 @@ from graphopt import models  # noqa: E402
 from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.config import Options  # noqa: E402
+from graphopt.generation import Sampler, drive  # noqa: E402
 from graphopt.quant_report import logits_metrics  # noqa: E402
 from weight_traffic import onnx_decode_bytes, read_bandwidth, torch_decode_bytes  # noqa: E402
 
@@ -60,14 +61,38 @@ console = Console(stderr=True)
 
 
 class Variant:
-    """``prefill(ids) -> (logits, cache)`` and ``decode(token, cache) -> (logits, cache)``."""
+    """A step runner for graphopt.generation's loop (prepare/prefill/prepare_step/step) built from
+    ``prefill(ids) -> (logits, cache)`` and ``decode(token, cache) -> (logits, cache)``; it
+    keeps its cache, and the prefill's logits for the error columns."""
+
+    pads = False
+    compiles = prefill_compiles = 0
+    compile_s = 0.0
+    cuda_graphs = ""
+    reports: list = []
 
     def __init__(self, name: str, prefill: Callable, decode: Callable, setup_s: float, sessions=()) -> None:
-        self.name, self.prefill, self.decode, self.setup_s = name, prefill, decode, setup_s
+        self.name = self.target = name
+        self.prefill_fn, self.decode_fn, self.setup_s = prefill, decode, setup_s
         self.sessions = list(sessions)
         self.weight_bytes = 0  # read by one decode step
         self.prefill_ms: list[float] = []
         self.decode_ms: list[float] = []
+        self.cache, self.first_logits = None, None
+
+    def prepare(self, ids, mask) -> None:
+        pass
+
+    def prefill(self, ids, mask=None):
+        self.first_logits, self.cache = self.prefill_fn(ids)
+        return self.first_logits[:, -1]
+
+    def prepare_step(self, token, position) -> None:
+        pass
+
+    def step(self, token, position):
+        logits, self.cache = self.decode_fn(token, self.cache)
+        return logits[:, -1]
 
 
 def torch_variant(name: str, model, setup_s: float = 0.0) -> Variant:
@@ -160,40 +185,27 @@ def quantize_with_ort(paths: tuple[str, str], block_size: int, folder: Path) -> 
 
 
 def generate(variant: Variant, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy generation, untimed: (the prefill's logits, the new tokens)."""
-    with torch.no_grad():
-        logits, cache = variant.prefill(prompt)
-        first, tokens = logits, []
-        for _ in range(new_tokens):
-            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
-            logits, cache = variant.decode(tokens[-1], cache)
-    return first, torch.cat(tokens, 1)
-
-
-def _timed(fn, *args):
-    start = time.perf_counter()
-    out = fn(*args)
-    return out, (time.perf_counter() - start) * 1e3
+    """Greedy generation with graphopt.generation's loop, untimed: (the prefill's logits, the new tokens)."""
+    out = drive([variant], prompt, None, new_tokens, [Sampler()])[0]
+    return variant.first_logits, out.new_tokens
 
 
 def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: int, reverse: bool,
                      prefills: int = 3) -> None:
-    """One greedy generation per variant, step by step in turn: every variant's prefill, then
-    each decode step of every variant before the next step, so that load from other
-    processes lands on all of them alike (a variant-after-variant run lets it land on one)."""
+    """One greedy generation per variant, in lockstep (graphopt.generation.drive: every
+    variant's prefill, then each decode step of every variant before the next step), so that
+    load from other processes lands on all of them alike. A prefill is one sample against
+    many decode steps, so ``prefills - 1`` more are timed before it."""
     order = variants[::-1] if reverse else variants
-    state = {}
     with torch.no_grad():
-        for _ in range(prefills):  # a prefill is one sample against 64 decode steps: take more
+        for _ in range(prefills - 1):
             for v in order:
-                state[v.name], ms = _timed(v.prefill, prompt)
-                v.prefill_ms.append(ms)
-        for _ in range(new_tokens):
-            for v in order:
-                logits, cache = state[v.name]
-                token = logits[:, -1].argmax(-1, keepdim=True)
-                state[v.name], ms = _timed(v.decode, token, cache)
-                v.decode_ms.append(ms)
+                start = time.perf_counter()
+                v.prefill(prompt)
+                v.prefill_ms.append((time.perf_counter() - start) * 1e3)
+    for v, result in zip(order, drive(order, prompt, None, new_tokens, [Sampler() for _ in order])):
+        v.prefill_ms.append(result.prefill_ms)
+        v.decode_ms.extend(result.ms_per_token)
 
 
 def profile_summary(session) -> tuple[float, list[tuple[str, float]]]:
