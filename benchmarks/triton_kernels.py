@@ -75,6 +75,10 @@ def cases(dtype: torch.dtype) -> list[Case]:
              lambda: flash_attention.flash_attention(qa, ka, va, None, None, True),
              lambda: ops.attention(qa, ka, va, None, None, True), 2 * _nbytes(qa) + _nbytes(ka, va),
              flops=2 * 2 * 32 * tokens * tokens * 128 // 2),  # QK^T and PV, half masked
+        Case("flash_attention", "causal 32q/8kv x 4096, d128, softcap 50 (Gemma2)",
+             lambda: flash_attention.flash_attention(qa, ka, va, None, None, True, 50.0),
+             lambda: ops.attention(qa, ka, va, None, None, True, 50.0), 2 * _nbytes(qa) + _nbytes(ka, va),
+             flops=2 * 2 * 32 * tokens * tokens * 128 // 2),  # the tanh per score rides on the softmax's exp2
         Case("flash_decoding", "8 x 32q/8kv, cache 4096, d128",
              lambda: flash_decoding.flash_decoding(qd, kd, vd), lambda: ops.attention(qd, kd, vd),
              2 * _nbytes(qd) + _nbytes(kd, vd)),
