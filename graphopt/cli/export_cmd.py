@@ -4,7 +4,11 @@ against eager PyTorch."""
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import typer
 
@@ -15,13 +19,19 @@ from graphopt.errors import GraphoptError
 # Stages the progress bar counts (torch.export, passes and onnx export run once per model).
 _STAGES = {False: 6, True: 10}
 
+# torch.onnx's exporter writes opset 18 and newer; asked for an older one it falls back to
+# 18 without a word, so older opsets are refused rather than silently not honoured.
+MIN_OPSET = 18
+DEFAULT_OPSET = 20  # torch.onnx's default (torch 2.13), named here so the help and the file agree
+
 
 def export(
     model: str = typer.Argument(..., help=MODEL_HELP),
     output: str = typer.Option(..., "--output", "-o", help="the .onnx file to write (with --kv-cache, also NAME.decode.onnx)"),
     int4: bool = typer.Option(False, "--int4", help="quantize linear weights to INT4 (MatMulNBits)"),
     kv_cache: bool = typer.Option(False, "--kv-cache", help="export prefill + decode-step models with KV-cache inputs/outputs"),
-    opset: int = typer.Option(None, "--opset", help="ONNX opset of the model (default: the exporter's, 18)"),
+    opset: int = typer.Option(DEFAULT_OPSET, "--opset", help=f"ONNX opset of the model: {MIN_OPSET} up to the "
+                              "newest the installed onnx package knows"),
     no_validate: bool = typer.Option(False, "--no-validate", help="skip running the file in ONNX Runtime against eager"),
     force: bool = typer.Option(False, "--force", help="overwrite existing files"),
     option: list[str] = typer.Option([], "--option", help="a graphopt option as key=value (repeatable), e.g. pipeline=..."),
@@ -34,9 +44,9 @@ def export(
     """Export MODEL to ONNX through graphopt's passes, then check the file in ONNX Runtime.
 
     Prints the error against eager and top-1 agreement, the op histogram (ORT fused ops
-    counted), INT4 weight bytes, file sizes and the time of each stage. Writes to a temporary
-    file and renames it, so an interrupted export leaves no half-written model; never
-    overwrites without --force. --kv-cache takes graphopt's Llama and Hugging Face causal LMs
+    counted), INT4 weight bytes, file sizes and the time of each stage. Writes into a temporary
+    folder and moves the files into place only once ONNX Runtime agrees with eager, so an
+    interrupted or failed export leaves no file behind; never overwrites without --force. --kv-cache takes graphopt's Llama and Hugging Face causal LMs
     (no padding: the models take no attention mask).
 
     Example: graphopt export llama-tiny -o llama.onnx --kv-cache
@@ -54,7 +64,9 @@ def export(
 
     if batch < 2 or seq_len < 2:
         raise GraphoptError("--batch and --seq-len must be at least 2: torch.export fixes axes of size 1")
+    _check_opset(opset)
     config = parse_options(option)
+    int4 = int4 or config.int4  # --option int4=true is --int4: the same pass, the same validation
     tool.check_destination(output, force)
     if kv_cache:
         tool.check_destination(generate.decode_path(output), force)
@@ -66,22 +78,60 @@ def export(
             loaded = _load(model, seed, batch, seq_len, kv_cache)
         load_s = time.perf_counter() - start
         common = dict(config=config, opset=opset, int4=int4, validate_model=not no_validate, force=force, stage=stage)
-        if kv_cache:
-            result = generate.export_kv_cache(loaded.module, loaded.example_inputs[0], output,
-                                              new_tokens=new_tokens, **common)
-        else:
-            result = tool.export_model(loaded.module, loaded.example_inputs, output,
-                                       input_names=_input_names(loaded), output_names=_output_names(loaded), **common)
-    data = {"model": loaded.name, **result.to_dict()}
+        with _staging(output) as staged:
+            if kv_cache:
+                result = generate.export_kv_cache(loaded.module, loaded.example_inputs[0], staged,
+                                                  new_tokens=new_tokens, **common)
+            else:
+                result = tool.export_model(loaded.module, loaded.example_inputs, staged, input_names=_input_names(loaded),
+                                           output_names=_output_names(loaded), **common)
+            data = {"model": loaded.name, **result.to_dict()}
+            failed = _failures(data, config.tolerance, int4)
+            _publish(data, Path(output).parent, move=not failed)
     data["stages_s"] = {"load": load_s, **data["stages_s"]}
-    failed = _failures(data, config.tolerance, int4)
-    data["ok"] = not failed
+    data["ok"] = data["written"] = not failed
     if json_out:
         print_json(data)
     else:
         _print_human(data, failed)
     if failed:
         raise typer.Exit(1)
+
+
+def _check_opset(opset: int) -> None:
+    import onnx
+
+    newest = onnx.defs.onnx_opset_version()
+    if not MIN_OPSET <= opset <= newest:
+        raise GraphoptError(f"--opset {opset} is not supported: choose {MIN_OPSET} to {newest} "
+                            f"(the exporter writes opset {MIN_OPSET} or newer; onnx {onnx.__version__} knows up to {newest})")
+
+
+@contextlib.contextmanager
+def _staging(output: str):
+    """The path to export to: ``output``'s name in a hidden folder beside it, removed at the end
+    with whatever was not published (so a failed validation leaves nothing, and an old file
+    that --force would replace stays as it was)."""
+    final = Path(output)
+    folder = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".export", dir=final.parent))
+    try:
+        yield str(folder / final.name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _publish(data: dict, folder: Path, move: bool) -> None:
+    """Point ``data`` at the final paths in ``folder`` and, when ``move``, move each file there
+    from the staging folder (weights before the model that names them)."""
+    for f in data["files"]:
+        final = [str(folder / Path(path).name) for path in f["files"]]
+        if move:
+            for path in sorted(f["files"], key=lambda p: p == f["path"]):  # the .onnx file last
+                os.replace(path, folder / Path(path).name)
+            stale = folder / (Path(f["path"]).name + ".data")
+            if str(stale) not in final and stale.exists():
+                stale.unlink()  # weights of an earlier, larger export under this name
+        f["files"], f["path"] = final, str(folder / Path(f["path"]).name)
 
 
 def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
@@ -184,3 +234,6 @@ def _print_human(data: dict, failed: list[str]) -> None:
         console.print(f"[yellow]pass skipped[/] {fb['where']}: {fb['reason']}")
     for reason in failed:
         console.print(f"[red]validation failed[/] {reason}")
+    if failed:
+        console.print(f"[red]nothing written[/]: {', '.join(f['path'] for f in data['files'])} "
+                      "left as before (the export did not match eager)")
