@@ -50,9 +50,11 @@ class PatternPass:
         near_misses: list[NearMiss] = []
         matches = 0
         fake_mode = ir.fake_mode_of(gm)
-        for anchor in self.candidates(gm):
-            if anchor.graph is not gm.graph or anchor._erased:
-                continue  # consumed by an earlier rewrite in this pass
+        anchors = self.candidates(gm)
+        read = {a for a in anchors if a.users}
+        for anchor in anchors:
+            if anchor.graph is not gm.graph or anchor._erased or (anchor in read and not anchor.users):
+                continue  # consumed by an earlier rewrite in this pass (its readers moved to the fused op)
             dismissed = self.screen(anchor)
             if dismissed is not None:
                 near_misses.append(NearMiss(self.name, anchor.name, anchor.name, dismissed, screened=True))

@@ -134,20 +134,21 @@ X = torch.randn(2, 5, 32)
 
 
 @pytest.mark.parametrize(
-    "module, inputs, options, reason",
+    "module, inputs, options, reasons",
     [
-        (CrossAttention(), (X, torch.randn(2, 7, 32)), {}, "only 2 linear(s) split into heads read"),
-        (CrossAttention(), (X, torch.randn(2, 7, 32)), {}, "q, k and v must read the same input"),
-        (Attention(kv_heads=2), (X,), {"freeze_weights": False}, "weight is not a constant (freeze_weights=False?)"),
-        (KeyReadsOtherK(), (X,), {}, "(a different K)"),
+        (CrossAttention(), (X, torch.randn(2, 7, 32)), {},
+         ["only 1 linear(s) split into heads read arg1_1; q, k and v must read the same input",
+          "only 2 linear(s) split into heads read arg3_1; q, k and v must read the same input"]),
+        (Attention(kv_heads=2), (X,), {"freeze_weights": False},
+         ["projection mm weight is not a constant (freeze_weights=False?)"]),
+        (KeyReadsOtherK(), (X,), {}, ["mm_1 reads arg1_1 as [20, 16], mm as [10, 32] (a different K)"]),
     ],
-    ids=["only_two", "different_inputs", "not_frozen", "other_k"],
+    ids=["different_inputs", "not_frozen", "other_k"],
 )
-def test_skips_when_not_one_qkv_group(module, inputs, options, reason):
+def test_skips_when_not_one_qkv_group(module, inputs, options, reasons):
     out, report = compile_with_graphopt(module, *inputs, passes=PIPE, **options)
     assert count(report, QKV) == 0
-    reasons = [m.reason for m in report.near_misses if m.pass_name == "merge_qkv"]
-    assert any(reason in r for r in reasons), reasons
+    assert [m.reason for m in report.near_misses if m.pass_name == "merge_qkv"] == reasons
     assert_matches_eager(out, eager(module, *inputs), rel=1e-6)
 
 
@@ -155,6 +156,93 @@ def test_skips_projections_not_split_into_heads():
     module = NotSplitIntoHeads()
     out, report = compile_with_graphopt(module, X, passes=PIPE)
     assert count(report, QKV) == 0 and gemms(report) == 3
+    assert [m for m in report.near_misses if m.pass_name == "merge_qkv"] == []
+    result = run_pass("merge_qkv", aten_graph(module, X))  # screened: --why still says why
+    assert [(m.reason, m.screened) for m in result.near_misses] == [("output is not split into attention heads",
+                                                                     True)] * 3
+    assert_matches_eager(out, eager(module, X), rel=1e-6)
+
+
+def test_k_and_v_are_screened_as_part_of_the_first_projection():
+    result = run_pass("merge_qkv", aten_graph(Attention(kv_heads=2), X))
+    assert result.stats["matches"] == 1
+    assert sorted((m.reason, m.screened) for m in result.near_misses) == [
+        ("output is not split into attention heads", True)]  # o_proj; k and v went with q
+
+
+# -- one projection already holding q, k and v (Phi3's qkv_proj) -------------------------------
+
+
+class MergedAttention(nn.Module):
+    """``qkv_proj`` cut into q, k, v by slicing (Phi3) or ``split``, then GQA attention."""
+
+    def __init__(self, hidden=32, heads=4, kv_heads=2, cut="slice", bias=False):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.cut = heads, kv_heads, hidden // heads, cut
+        self.qkv_proj = nn.Linear(hidden, (heads + 2 * kv_heads) * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def split(self, t):
+        return t.view(*t.shape[:-1], -1, self.head_dim).transpose(-3, -2)
+
+    def forward(self, x):
+        qkv = self.qkv_proj(x)
+        q_end, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if self.cut == "slice":
+            q, k, v = qkv[..., :q_end], qkv[..., q_end:q_end + kv], qkv[..., q_end + kv:]
+        else:
+            q, k, v = qkv.split([q_end, kv, kv], dim=-1)
+        out = F.scaled_dot_product_attention(self.split(q), self.split(k), self.split(v), enable_gqa=True)
+        return self.o_proj(out.transpose(-3, -2).flatten(-2))
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 32), (5, 32)], ids=["3d", "2d"])
+@pytest.mark.parametrize("cut, bias", [("slice", False), ("split", True)], ids=["slice", "split_bias"])
+def test_merged_projection_becomes_qkv_proj_over_its_own_weight(cut, bias, shape, final_graph):
+    torch.manual_seed(0)
+    module, x = MergedAttention(cut=cut, bias=bias), torch.randn(*shape)
+    out, report = compile_with_graphopt(module, x, passes=PIPE)
+    assert count(report, QKV) == 1 and gemms(report) == 1  # o_proj
+    assert count(report, "aten.slice") == 0 and count(report, "aten.split") == 0
+    (node,) = [n for n in final_graph[-1].graph.nodes if n.target is torch.ops.graphopt.qkv_proj.default]
+    x_node, weight, b, sizes = node.args
+    assert sizes == [32, 16, 16]
+    assert x_node.op == "placeholder"  # the [..., K] input itself: the pieces keep its leading dims
+    assert ir.get_constant(weight) is not None and torch.equal(ir.get_constant(weight), module.qkv_proj.weight)
+    assert (b is None) == (not bias)
+    assert [m for m in report.near_misses if m.pass_name == "merge_qkv"] == []
+    assert_matches_eager(out, eager(module, x), rel=1e-5)
+
+
+class MergedQAndKv(MergedAttention):
+    """q and a [k | v] piece: two pieces, k and v cut later from the heads."""
+
+    def forward(self, x):
+        q, kv = self.qkv_proj(x).split([32, 32], dim=-1)
+        k, v = self.split(kv).chunk(2, dim=-3)
+        return F.scaled_dot_product_attention(self.split(q), k, v, enable_gqa=True)
+
+
+class MergedAlsoReadWhole(MergedAttention):
+    def forward(self, x):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([32, 16, 16], dim=-1)
+        return F.scaled_dot_product_attention(self.split(q), self.split(k), self.split(v), enable_gqa=True), qkv
+
+
+@pytest.mark.parametrize(
+    "module, reason",
+    [
+        (MergedQAndKv(), "merged projection _unsafe_view is cut in 2 pieces, expected q, k and v"),
+        (MergedAlsoReadWhole(), "merged projection _unsafe_view is read by output (output), not only cut in "
+                                "pieces along its last dim"),
+    ],
+    ids=["two_pieces", "read_whole"],
+)
+def test_skips_merged_projection_not_cut_into_q_k_v(module, reason):
+    out, report = compile_with_graphopt(module, X, passes=PIPE)
+    assert count(report, QKV) == 0
+    assert [m.reason for m in report.near_misses if m.pass_name == "merge_qkv"] == [reason]
     assert_matches_eager(out, eager(module, X), rel=1e-6)
 
 
