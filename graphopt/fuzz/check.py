@@ -46,6 +46,10 @@ class Outcome:
     hits: dict[str, int] = field(default_factory=dict)  # pass -> matches, summed over graphs
     near_misses: list = field(default_factory=list)  # graphopt.pass_manager.NearMiss
     ran_on: list[str] = field(default_factory=list)  # the target each compiled graph ran on
+    shapes: int = 1  # how many input shapes the one compile was called at
+    recompiles: int = 0  # graphs compiled again at a later shape (dynamo specialized a size)
+    single_shape_reason: str = ""  # why the case was called at one shape only (set by the runner)
+    grew_from_one: bool = False  # the second shape grows a size-1 axis: dynamo must compile again (set by the runner)
 
     @property
     def failed(self) -> bool:
@@ -144,31 +148,54 @@ def quiet() -> Iterator[None]:
 
 
 def check_module(module: torch.nn.Module, inputs: Sequence[Any], target: str, pipeline: Sequence[str] | None,
-                 dtypes: str | Sequence[str], ref: Reference | None = None) -> Outcome:
+                 dtypes: str | Sequence[str], ref: Reference | None = None,
+                 more: Sequence[tuple[str, Sequence[Any], Reference | None]] = ()) -> Outcome:
     """Compile ``module`` with graphopt for ``target`` (falling back as a user's would),
     run it on ``inputs`` and judge its outputs against eager (``dtypes``: see :func:`judge`).
+    ``more``: (label, inputs, reference) of further calls of the same compiled model at
+    other shapes; the axes that differ are marked dynamic, so one compile serves them all.
     Resets dynamo and graphopt's reports first, so the outcome holds this compile's alone."""
     ref = ref or reference(module, inputs)
     if ref.problem:
         return Outcome(target, "invalid", ref.problem)
+    more = [(label, xs, r or reference(module, xs)) for label, xs, r in more]
+    more = [(label, xs, r) for label, xs, r in more if r.problem is None]
+    if more:
+        from graphopt.fuzz.shapes import mark_dynamic
+
+        mark_dynamic(tuple(inputs), tuple(more[0][1]))
     options: dict[str, Any] = {"target": target}
     if pipeline:
         options["pipeline"] = list(pipeline)
     torch._dynamo.reset()
     graphopt.reset()
-    outcome = Outcome(target, "ok")
+    outcome = Outcome(target, "ok", shapes=1 + len(more))
+    calls = [("", inputs, ref), *more]
+    results, first_graphs, where = [], 0, ""
     try:
         with quiet(), torch.no_grad():
             compiled = torch.compile(module, backend="graphopt", options=options)
-            got = compiled(*inputs)
+            for label, xs, _ in calls:
+                where = label
+                results.append(compiled(*xs))
+                first_graphs = first_graphs or len(graphopt.reports())
     except Exception as error:
-        outcome.status, outcome.detail, got = "crash", first_line(error), None
-    for report in graphopt.reports():
+        outcome.status, outcome.detail = "crash", (f"at {where}: " if where else "") + first_line(error)
+    reports = graphopt.reports()
+    first_graphs = first_graphs or len(reports)
+    outcome.recompiles = len(reports) - first_graphs
+    for index, report in enumerate(reports):
         outcome.fallbacks += [{"target": target, **f} for f in report.fallbacks]
-        outcome.near_misses += report.near_misses
         outcome.ran_on.append(report.target)
+        if index >= first_graphs:
+            continue  # the passes' work is counted once, on the graphs of the first call
+        outcome.near_misses += report.near_misses
         for record in report.passes:
             outcome.hits[record.name] = outcome.hits.get(record.name, 0) + record.matches
-    if outcome.status == "ok":
-        outcome.status, outcome.detail, outcome.rel_err = judge(got, ref, dtypes)
+    for (label, _, r), got in zip(calls, results):
+        if outcome.status != "ok":
+            break
+        outcome.status, detail, rel = judge(got, r, dtypes)
+        outcome.rel_err = max(outcome.rel_err, rel)
+        outcome.detail = f"at {label}: {detail}" if label and detail else detail
     return outcome

@@ -252,7 +252,11 @@ def emit_reshape(b, step, a):
         fn = "view" if spelling == "view" else "reshape"
         # view needs a contiguous input; a transpose before it would make view refuse
         src = f"{a[0]}.contiguous()" if fn == "view" else a[0]
-        b.line(f"{b.var(step.id)} = {src}.{fn}{tuple(shape)!r}")
+        # sizes read from the input, not written as numbers: the model then runs at other
+        # batch and sequence lengths too (the fuzzer calls it at two shapes)
+        size = {"split_last": f"{a[0]}.shape[:-1] + {tuple(shape[-2:])!r}",
+                "merge_last": f"{a[0]}.shape[:-2] + (-1,)", "rows": f"-1, {shape[-1]}"}[step.p["form"]]
+        b.line(f"{b.var(step.id)} = {src}.{fn}({size})")
 
 
 def draw_transpose(gen: Gen, x: int) -> Step | None:

@@ -135,7 +135,9 @@ def draw_attention(gen: Gen, x: int) -> Step | None:
 
 def emit_attention(b, step, a):
     p = step.p
-    bsz, seq, emb = b.case.values()[step.args[0]].shape
+    emb = b.case.values()[step.args[0]].shape[-1]
+    # batch and sequence sizes are read from the input, so the model runs at other lengths
+    bsz, seq = f"{a[0]}.shape[0]", f"{a[0]}.shape[1]"
     t = lambda name: b.tmp(step, name)  # noqa: E731
     hq, hkv, d = p["heads"], p["kv_heads"], p["head_dim"]
     q_input = a[1] if p["perturb"] == "cross" else a[0]

@@ -1,5 +1,8 @@
 """The differential fuzzer: N generated models, each through graphopt on every target
-available here, checked against eager; failures shrunk and written as reproducers.
+available here, checked against eager; failures shrunk and written as reproducers. Each
+model is compiled once and called at two shapes (a second batch or sequence length,
+``graphopt.fuzz.shapes``), as a server calls it; a target that compiles again for the
+second shape is counted (``recompiled``), one that gets it wrong is a failure.
 
 ``run_fuzz(graphs, seed)`` is what ``graphopt fuzz`` calls. Graph ``i`` of seed ``S`` is
 drawn from ``random.Random(f"{S}/{i}")``, so any one graph can be regenerated alone.
@@ -89,6 +92,7 @@ class TargetStats:
     mismatches: int = 0
     crashes: int = 0
     fell_back: int = 0  # graphs where at least one pass or the target fell back
+    recompiled: int = 0  # graphs compiled again at a second shape of sizes >= 2 (one compile should serve it)
     worst_rel_err: float = 0.0  # largest error judged ok (past tolerance only when eager is as far off)
     worst_graph: str = ""
 
@@ -108,6 +112,8 @@ class Summary:
     planted: Counter = field(default_factory=Counter)  # pass -> matches the planted patterns call for
     failures: list[Failure] = field(default_factory=list)
     invalid_examples: list[str] = field(default_factory=list)
+    multi_shape: int = 0  # cases called at two shapes through one compile
+    single_shape_examples: list[str] = field(default_factory=list)  # why a case had no second shape
     seconds: float = 0.0
 
     @property
@@ -132,6 +138,9 @@ class Summary:
             "near_misses": dict(sorted(self.near_misses.items())),
             "invalid": self.invalid,
             "invalid_examples": self.invalid_examples,
+            "multi_shape": self.multi_shape,
+            "single_shape": self.graphs - self.invalid - self.multi_shape,
+            "single_shape_examples": self.single_shape_examples,
             "seed": self.seed,
             "pipeline": self.pipeline,
             "targets": {name: dict(stats.__dict__) for name, stats in self.targets.items()},
@@ -146,9 +155,23 @@ def case_for(seed: int, index: int, settings: Settings = Settings()) -> Case:
 
 
 def check_case(case: Case, targets: Sequence[str], pipeline: Sequence[str] | None) -> list[Outcome]:
+    """``case`` on each target: one compile, called at the case's shape and at a second
+    batch or sequence length when the case allows one (``graphopt.fuzz.shapes``)."""
+    from graphopt.fuzz.shapes import second_shape
+
     module, inputs, _ = materialize(case)
     ref = reference(module, inputs)
-    return [check_module(module, inputs, t, pipeline, case.dtypes(), ref) for t in targets]
+    if ref.problem:
+        return [Outcome(t, "invalid", ref.problem) for t in targets]
+    shape, why = second_shape(case, module)
+    more = [(shape.describe(), shape.inputs, shape.ref)] if shape else []
+    outcomes = []
+    for t in targets:
+        outcome = check_module(module, inputs, t, pipeline, case.dtypes(), ref, more)
+        outcome.single_shape_reason = why
+        outcome.grew_from_one = shape is not None and shape.old < 2  # dynamo specializes a size of 1
+        outcomes.append(outcome)
+    return outcomes
 
 
 def run_fuzz(graphs: int, seed: int, targets: Sequence[str] | None = None, out_dir: str | Path | None = None,
@@ -199,6 +222,10 @@ def _tally(summary: Summary, case: Case, outcomes: list[Outcome]) -> None:
         return
     for e in expectations(case):
         summary.planted[e.pass_name] += e.fires
+    if outcomes and outcomes[0].shapes > 1:
+        summary.multi_shape += 1
+    elif outcomes and len(summary.single_shape_examples) < 5:
+        summary.single_shape_examples.append(f"{case.name}: {outcomes[0].single_shape_reason}")
     first = True
     for outcome in outcomes:
         stats = summary.targets[outcome.target]
@@ -206,6 +233,7 @@ def _tally(summary: Summary, case: Case, outcomes: list[Outcome]) -> None:
         stats.mismatches += outcome.status == "mismatch"
         stats.crashes += outcome.status == "crash"
         stats.fell_back += bool(outcome.fallbacks)
+        stats.recompiled += bool(outcome.recompiles) and not outcome.grew_from_one
         if outcome.status == "ok" and outcome.rel_err > stats.worst_rel_err:
             stats.worst_rel_err, stats.worst_graph = outcome.rel_err, case.name
         for f in {(f["target"], f["where"], _general(f["reason"])) for f in outcome.fallbacks}:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from graphopt.fuzz.case import Case, Step
+from graphopt.fuzz.case import Case, Input, Step, Value
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -148,11 +148,7 @@ def module_source(case: Case) -> str:
     out.append(f"    def forward(self, {names}):")
     out += [f"        {line}" for line in b.body]
     out.append(f"        return ({', '.join(outputs)},)")
-    out.append("\n\ndef make_inputs():")
-    out.append("    g = torch.Generator().manual_seed(SEED + 1)")
-    out.append("    return (")
-    out += [f"        {_input_expr(i)},  # {b.var(i.id)}" for i in case.inputs]
-    out.append("    )")
+    out.append(inputs_source(case, case.inputs))
     out.append("\n\ndef make():")
     out.append('    """For `graphopt run model:make`: the module and its example inputs."""')
     out.append("    return FuzzModel().eval(), make_inputs()")
@@ -170,6 +166,23 @@ def load_source(source: str, name: str = "fuzz_case") -> types.ModuleType:
     module.__file__ = filename
     exec(compile(source, filename, "exec"), module.__dict__)
     return module
+
+
+def inputs_source(case: Case, inputs: list[Input], seed_offset: int = 1) -> str:
+    """``make_inputs()`` for ``inputs`` (the case's own, or resized ones), seeded from the case."""
+    lines = ["\n\ndef make_inputs():", f"    g = torch.Generator().manual_seed(SEED + {seed_offset})", "    return ("]
+    lines += [f"        {_input_expr(i)},  # v{i.id}" for i in inputs]
+    lines.append("    )")
+    return "\n".join(lines)
+
+
+def resized_inputs(case: Case, old: int, new: int, seed_offset: int = 2) -> tuple[Any, ...]:
+    """The case's inputs with every axis of size ``old`` made ``new`` (a batch or sequence
+    length), filled the same way (rotary tables for the new length, ...)."""
+    inputs = [Input(i.id, Value(tuple(new if n == old else n for n in i.value.shape), i.value.dtype, i.value.mag),
+                    i.fill, i.fill_arg) for i in case.inputs]
+    preamble = PREAMBLE.format(title="resized inputs", steps=len(case.steps), dtype=case.dtype, seed=case.seed)
+    return load_source(preamble + inputs_source(case, inputs, seed_offset), case.name + "_inputs").make_inputs()
 
 
 def materialize(case: Case) -> tuple[nn.Module, tuple[Any, ...], str]:

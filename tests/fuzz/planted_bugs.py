@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.fx as fx
 
+from graphopt.pass_manager import PassResult
 from graphopt.rewrite import NoMatch, PatternPass, call_args, expect
 
 RMS_NORM = torch.ops.graphopt.rms_norm.default
@@ -38,3 +41,29 @@ class Fixed(PatternPass):
 
     def match(self, node, options):
         raise NoMatch("fixed")
+
+
+@dataclass
+class NoOptions:
+    pass
+
+
+class BakeSizes:
+    """Replaces every symbolic size the graph takes as an input with the size it had at
+    compile time: right at that shape, wrong (a crash or a mismatch) at any other, like a
+    pass or target that silently specializes a dynamic graph."""
+
+    name = "bake_sizes"
+    summary = "s0 -> 4 (a planted bug: specializes symbolic sizes)"
+    Options = NoOptions
+    requires: tuple[str, ...] = ()
+
+    def run(self, gm: fx.GraphModule, ctx) -> PassResult:
+        baked = 0
+        for node in list(gm.graph.nodes):
+            val = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(val, torch.SymInt) and node.users:
+                node.replace_all_uses_with(int(val.node.hint))
+                baked += 1
+        gm.recompile()
+        return PassResult(gm, bool(baked), {"matches": baked})

@@ -76,7 +76,8 @@ def test_planted_miscompilation_is_caught_shrunk_and_reproduced(planted_bug, mon
     assert failure.status == "mismatch" and "relative error" in failure.detail
     assert failure.steps_after < failure.steps_before and "gemma" in (tmp_path / failure.reproducer / "model.py").read_text()
     folder = tmp_path / failure.reproducer
-    assert {p.name for p in folder.iterdir()} == {"model.py", "inputs.safetensors", "repro.py", "case.json", "README.md"}
+    assert {p.name for p in folder.iterdir()} == {"model.py", "inputs.safetensors", "inputs_1.safetensors", "repro.py",
+                                                  "case.json", "README.md"}  # inputs_1: the second shape
     assert "python" in (folder / "README.md").read_text() and "repro.py" in (folder / "README.md").read_text()
     with pytest.raises(SystemExit) as exit_info:  # still failing: exit status 1
         runpy.run_path(str(folder / "repro.py"), run_name="__main__")
