@@ -33,10 +33,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.backends.onnxruntime import lowering, placement
+from graphopt.backends.onnxruntime import lowering, placement, translations
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
 from graphopt.backends.onnxruntime.placement import EAGER, ORT, Plan, refusal, schedule
-from graphopt.backends.onnxruntime.translations import translation_table
 from graphopt.decompose import inline_reference
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
@@ -59,14 +58,14 @@ def compile_partitioned(target, gm: fx.GraphModule, example_inputs: Sequence[Any
     be left to run on ONNX Runtime: the core then runs the graph eagerly, as before.
     """
     gm = ir.copy_graph_module(gm)
-    table = translation_table()
+    table = translations.translation_table()
     decomposed: Counter = Counter()  # (op, reason) -> how many nodes became their reference
     eager: dict[fx.Node, str] = {}
     untranslated = [n for n in gm.graph.nodes
                     if n.op == "call_function" and op_name(n.target) and n.target not in table]
     _decompose(gm, {n: DECOMPOSED for n in untranslated}, decomposed, eager)
     eager.update({n: r for n in gm.graph.nodes if n not in eager and (r := refusal(n, table))})
-    built: dict[tuple[str, ...], Callable] = {}
+    built: dict[str, Callable] = {}  # a part's code -> its compiled form, kept across rounds
     last: Exception | None = None
     for _ in range(MAX_ROUNDS):
         plan = schedule(gm, eager)
@@ -115,7 +114,8 @@ def _decompose(gm: fx.GraphModule, nodes: dict[fx.Node, str], decomposed: Counte
         gm.recompile()
 
 
-def _compile_plan(target, gm: fx.GraphModule, plan: Plan, example_inputs, config, built: dict) -> Callable:
+def _compile_plan(target, gm: fx.GraphModule, plan: Plan, example_inputs, config,
+                  built: dict[str, Callable]) -> Callable:
     if len(plan.runs) <= 1:  # everything on ONNX Runtime (or nothing to compute): the graph itself, no split
         gm.meta[_PARTITION] = True
         nodes = plan.runs[0][1] if plan.runs else []
@@ -138,7 +138,7 @@ def _compile_plan(target, gm: fx.GraphModule, plan: Plan, example_inputs, config
         sub = getattr(split, name)
         sub.meta[_PARTITION] = True
         nodes = [by_name[n.name] for n in sub.graph.nodes if n.op == "call_function"]
-        key = tuple(n.name for n in nodes)
+        key = sub.code  # the same nodes with other inputs or outputs (a later round's cut) are another part
         if key not in built:
             built[key] = _compile_part(target, sub, gm, nodes, inputs.get(name), config, whole=False)
         near_misses += lowering.cached_attention_near_misses(sub)

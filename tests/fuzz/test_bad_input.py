@@ -98,13 +98,13 @@ def compile_and_run(module, options, *inputs):
     return report
 
 
-def test_op_without_onnx_translation_runs_eagerly_and_is_reported():
+def test_op_without_onnx_translation_runs_eagerly_alone_and_is_reported():
     if (missing := missing_package()) is not None:  # optional third-party packages; graphopt's module is imported above
         pytest.skip(f"the onnxruntime target needs {missing}: pip install 'graphopt[onnxruntime]'")
     report = compile_and_run(CumMax(), {"target": "onnxruntime"}, torch.randn(3, 8))
-    assert report.target == "eager"
-    (fallback,) = report.fallbacks
-    assert fallback["where"] == "target:onnxruntime" and "aten.cummax" in fallback["reason"]
+    assert report.target == "onnxruntime" and report.fallbacks == []  # the rest of the graph stays on ORT
+    (row,) = report.to_dict()["off_target_ops"]
+    assert (row["op"], row["count"], row["how"]) == ("aten.cummax", 1, "eager") and "no translation" in row["reason"]
     assert compile_and_run(CumMax(), {"target": "eager"}, torch.randn(3, 8)).fallbacks == []
 
 
@@ -113,7 +113,7 @@ class Norm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def test_graphopt_op_without_onnx_translation_falls_back_naming_the_op(monkeypatch):
+def test_graphopt_op_without_onnx_translation_is_decomposed_naming_the_op(monkeypatch):
     if (missing := missing_package()) is not None:  # optional third-party packages; graphopt's module is imported above
         pytest.skip(f"the onnxruntime target needs {missing}: pip install 'graphopt[onnxruntime]'")
     from graphopt.backends.onnxruntime import translations
@@ -121,9 +121,11 @@ def test_graphopt_op_without_onnx_translation_falls_back_naming_the_op(monkeypat
     table = {k: v for k, v in translations.translation_table().items() if k is not torch.ops.graphopt.rms_norm.default}
     monkeypatch.setattr(translations, "translation_table", lambda: table)
     report = compile_and_run(Norm(), {"target": "onnxruntime"}, torch.randn(3, 8))
-    assert report.op_counts.get("graphopt.rms_norm") == 1 and report.target == "eager"
-    (fallback,) = report.fallbacks
-    assert "graphopt.rms_norm" in fallback["reason"] and "no translation" in fallback["reason"]
+    assert report.op_counts.get("graphopt.rms_norm") == 1 and report.target == "onnxruntime"
+    assert report.fallbacks == []  # exported as its reference's standard ops, not sent to eager
+    (row,) = report.to_dict()["off_target_ops"]
+    assert (row["op"], row["how"]) == ("graphopt.rms_norm", "decomposed")
+    assert "no ONNX Runtime translation" in row["reason"]
 
 
 # --- corrupt checkpoints and configs ---------------------------------------------------------------------

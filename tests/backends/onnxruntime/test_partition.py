@@ -15,7 +15,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
-from graphopt.backends.onnxruntime import partition, placement
+from graphopt.backends.onnxruntime import partition, placement, translations
 from graphopt.backends.onnxruntime.target import onnxruntime
 from graphopt.backends.onnxruntime.translations import translation_table
 from graphopt.config import Options
@@ -91,7 +91,7 @@ def test_an_export_that_refuses_an_op_moves_it_off_and_plans_again(monkeypatch):
 
 def test_graphopt_op_without_translation_is_decomposed_and_the_graph_stays_whole(monkeypatch):
     table = {op: fn for op, fn in translation_table().items() if op is not torch.ops.graphopt.rms_norm.default}
-    monkeypatch.setattr(partition, "translation_table", lambda: table)
+    monkeypatch.setattr(translations, "translation_table", lambda: table)
 
     def fn(x, w):
         return torch.ops.graphopt.rms_norm(x * 2, w, 1e-6) + 1
