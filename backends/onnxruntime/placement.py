@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ _NEUTRAL = "neutral"
 def _exporter_tables() -> tuple | None:
     """(torch.onnx's registry, the ops it decomposes before translating), or None when this
     torch's exporter keeps them elsewhere (then only a failing export finds what it refuses)."""
+    quiet = logging.getLogger("torch.onnx")  # it warns about optional torchvision ops it skips
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         from torch.onnx._internal.exporter import _decomp, _registration
 
@@ -45,6 +49,8 @@ def _exporter_tables() -> tuple | None:
         return registry, frozenset(decomposed)
     except Exception:  # private to torch.onnx: a change there costs the up-front check only
         return None
+    finally:
+        quiet.setLevel(level)
 
 
 def refusal(node: fx.Node, table: dict) -> str | None:
