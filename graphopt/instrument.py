@@ -69,28 +69,41 @@ def run_graph(gm: fx.GraphModule, inputs: Sequence[Any]) -> Any:
 
 
 class NumericCheck(Instrument):
-    """After each pass that changed the graph, run it on the same inputs and compare
-    with the pipeline's input graph. Flags the first pass past ``tolerance``."""
+    """After each pass that changed the graph, run it on the same inputs and compare it
+    twice: with the previous pass's output (``max_abs_err`` / ``rel_err``: the error this
+    pass introduced, which is what names a culprit) and with the pipeline's input graph
+    (``max_abs_err_vs_input`` / ``rel_err_vs_input``: the error so far).
+
+    ``first_bad``: the first pass whose own change is past ``tolerance``. ``first_drift``:
+    the first pass after which the output is past it compared with the input; it differs
+    from ``first_bad`` only when small errors of several passes add up (or one cancels)."""
 
     def __init__(self, inputs: Sequence[Any], tolerance: float,
                  runner: Callable[[fx.GraphModule, Sequence[Any]], Any] = run_graph):
         self.inputs = list(inputs)
         self.tolerance = tolerance
         self.runner = runner
-        self.reference: Any = None
+        self.reference: Any = None  # the input graph's outputs
+        self.previous: Any = None  # the outputs of the last graph that changed
         self.first_bad: str | None = None
+        self.first_drift: str | None = None
 
     def before_pass(self, p, gm, ctx) -> None:
         if self.reference is None:
-            self.reference = self.runner(gm, self.inputs)
+            self.reference = self.previous = self.runner(gm, self.inputs)
 
     def after_pass(self, p, before, after, record: PassRecord, ctx) -> None:
         if record.status != "changed":
             return
-        diff = compare(self.runner(after, self.inputs), self.reference)
-        record.numerics = {**diff.to_dict(), "ok": diff.rel <= self.tolerance}
-        if diff.rel > self.tolerance and self.first_bad is None:
+        outputs = self.runner(after, self.inputs)
+        step, total = compare(outputs, self.previous), compare(outputs, self.reference)
+        self.previous = outputs
+        record.numerics = {**step.to_dict(), "max_abs_err_vs_input": total.max_abs,
+                           "rel_err_vs_input": total.rel, "ok": step.rel <= self.tolerance}
+        if step.rel > self.tolerance and self.first_bad is None:
             self.first_bad = p.name
+        if total.rel > self.tolerance and self.first_drift is None:
+            self.first_drift = p.name
 
 
 class KeepChanges(Instrument):

@@ -34,7 +34,7 @@ def debug(
     print_ir_after_failure: bool = typer.Option(False, "--print-ir-after-failure", help="print the graph a pass failed on"),
     diff: bool = typer.Option(False, "--diff", help="print each change as a unified diff instead of the whole graph"),
     timing: bool = typer.Option(False, "--timing", help="table of passes: wall time, nodes before/after, matches"),
-    check_numerics: bool = typer.Option(False, "--check-numerics", help="run the graph after every pass and compare with the input graph"),
+    check_numerics: bool = typer.Option(False, "--check-numerics", help="run the graph after every pass that changed it; compare with the previous pass's output (names the culprit) and with the input graph"),
     tolerance: float = typer.Option(1e-4, "--tolerance", help="relative error that flags a pass in --check-numerics and --bisect"),
     why: list[str] = typer.Option([], "--why", help="near misses of PASS: where matching stopped and why (repeatable)"),
     bisect_limit: int = typer.Option(-1, "--bisect-limit", help="allow only N rewrites in total (-1: all)"),
@@ -100,6 +100,8 @@ def debug(
         results.append(_graph_result(index, result, checker, why))
         kept.append(keeper.changes)
     out = {"model": loaded.name, "pipeline": pipeline_text, "tolerance": tolerance, "graphs": results, "ir": printer.chunks}
+    if why:  # a pass outside the pipeline looked at nothing: say so rather than "0 near misses"
+        out["why_not_in_pipeline"] = [name for name in why if name not in pipeline_text.split(",")]
     if bisect:
         _bisect(out, graphs, config, tolerance, command)
     if reproducer is not None:
@@ -141,7 +143,8 @@ def _graph_result(index, result, checker, why) -> dict:
         "graph": index,
         "passes": [r.to_dict() for r in result.records],
         "near_misses": [m.to_dict() for m in result.near_misses if not wanted or m.pass_name in wanted],
-        "first_bad_pass": checker.first_bad if checker else None,
+        "first_bad_pass": checker.first_bad if checker else None,  # its own change is past the tolerance
+        "first_drift_pass": checker.first_drift if checker else None,  # the output vs the input is
         "rewrites": [r.to_dict() for r in result.rewrites],
         "fallbacks": list(result.fallbacks),
     }

@@ -17,12 +17,16 @@ def print_graph(g: dict, show_table: bool, why: list[str]) -> None:
             num = p.get("numerics") or {}
             flag = "" if not num else ("ok" if num.get("ok") else "FAIL")
             rows.append([p["name"], p["status"], p["matches"], p["time_ms"], p["nodes_before"], p["nodes_after"],
-                         num.get("max_abs_err"), num.get("rel_err"), flag])
-        console.print(table(f"graph {g['graph']}: passes",
+                         num.get("max_abs_err"), num.get("rel_err"), num.get("rel_err_vs_input"), flag])
+        console.print(table(f"graph {g['graph']}: passes (errors: vs the previous pass's output, and vs the input)",
                             ["pass", "status", "matches", "ms", "nodes before", "nodes after",
-                             "max abs err", "rel err", "numerics"], rows))
+                             "max abs err", "rel err", "rel err vs input", "numerics"], rows))
         if g["first_bad_pass"]:
-            console.print(f"[red]first pass past the tolerance: {g['first_bad_pass']}[/]")
+            console.print(f"[red]first pass whose own change is past the tolerance: {g['first_bad_pass']}[/]")
+        drift = g.get("first_drift_pass")
+        if drift and drift != g["first_bad_pass"]:
+            console.print(f"[yellow]the output is past the tolerance vs the input from {drift} on: "
+                          "the errors of several passes add up[/]")
     for p in g["passes"]:
         if p["status"] == "failed":
             console.print(f"[red]pass {p['name']} failed and was skipped:[/] {escape(p['error'] or '')}")
@@ -36,9 +40,17 @@ def print_why(g: dict, why: list[str]) -> None:
     misses = [m for m in g["near_misses"] if not m.get("screened")]
     screened = [m for m in g["near_misses"] if m.get("screened")]
     matched = {p["name"]: p["matches"] for p in g["passes"]}
+    status = {p["name"]: p.get("status") for p in g["passes"]}
     for name in why:
         key = name.replace("-", "_")
-        console.print(f"{key}: {matched.get(key, 0)} rewrites, "
+        if key not in matched:  # "0 near misses" would read as "it looked and found nothing"
+            console.print(f"{key}: not in the pipeline ({', '.join(matched)}), so it looked at nothing; "
+                          f"add it with --pipeline")
+            continue
+        if status[key] == "disabled":
+            console.print(f"{key}: disabled (--disable-pass), so it looked at nothing")
+            continue
+        console.print(f"{key}: {matched[key]} rewrites, "
                       f"{sum(m['pass_name'] == key for m in misses)} near misses, "
                       f"{sum(m['pass_name'] == key for m in screened)} anchors screened out")
     if misses:

@@ -15,7 +15,7 @@ def test_why_names_the_planted_near_miss():
     (graph,) = json.loads(result.stdout)["graphs"]
     rms = next(p for p in graph["passes"] if p["name"] == "fuse_rms_norm")
     assert rms["matches"] == 1  # the good norm fused
-    (miss,) = [m for m in graph["near_misses"] if m["pass_name"] == "fuse_rms_norm"]
+    (miss,) = [m for m in graph["near_misses"] if m["pass_name"] == "fuse_rms_norm" and not m["screened"]]
     assert miss["reason"] == "mean over dim 1, expected -1"
     assert miss["node"].startswith("mean") and miss["anchor"].startswith("rsqrt")
 
@@ -25,3 +25,21 @@ def test_why_prints_a_readable_table():
     assert result.exit_code == 0, result.output
     assert "fuse_rms_norm: 1 rewrites, 1 near misses" in result.stdout
     assert "mean over dim 1, expected -1" in result.stdout
+
+
+def test_why_on_a_pass_outside_the_pipeline_says_so():
+    args = ["debug", PLANTED, "--pipeline", "canonicalize,fuse_rms_norm", "--why", "fuse-rope"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert ("fuse_rope: not in the pipeline (canonicalize, fuse_rms_norm), so it looked at nothing; "
+            "add it with --pipeline") in result.stdout
+    assert "fuse_rope: 0 rewrites" not in result.stdout
+    data = json.loads(CliRunner().invoke(app, [*args, "--why", "fuse_rms_norm", "--json"]).stdout)
+    assert data["why_not_in_pipeline"] == ["fuse_rope"]
+
+
+def test_why_on_a_disabled_pass_says_so():
+    result = CliRunner().invoke(app, ["debug", PLANTED, "--pipeline", "canonicalize,fuse_rms_norm",
+                                      "--disable-pass", "fuse_rms_norm", "--why", "fuse_rms_norm"])
+    assert result.exit_code == 0, result.output
+    assert "fuse_rms_norm: disabled (--disable-pass), so it looked at nothing" in result.stdout
