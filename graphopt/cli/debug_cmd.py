@@ -144,7 +144,7 @@ def _graph_result(index, result, checker, why) -> dict:
         "passes": [r.to_dict() for r in result.records],
         "near_misses": [m.to_dict() for m in result.near_misses if not wanted or m.pass_name in wanted],
         "first_bad_pass": checker.first_bad if checker else None,  # its own change is past the tolerance
-        "first_drift_pass": checker.first_drift if checker else None,  # the output vs the input is
+        "first_drift_pass": checker.first_drift if checker else None,  # from here on, past it vs the input
         "rewrites": [r.to_dict() for r in result.rewrites],
         "fallbacks": list(result.fallbacks),
     }
