@@ -9,6 +9,10 @@ written (the pass anchors on that op):
 - ``rms_norm_via_pow``: ``x * v.pow(-0.5)`` (also ``v ** -0.5``)
 - ``rms_norm_via_reciprocal_sqrt``: ``x * (1 / sqrt(v))`` (aot: ``reciprocal(sqrt(v))``)
 - ``rms_norm_via_div_sqrt``: ``x / sqrt(v)``
+- ``rms_norm_via_aten``: ``aten.rms_norm`` itself (``nn.RMSNorm``, ``F.rms_norm``), which
+  torch.export keeps whole (aot_autograd decomposes it into the rsqrt spelling); its
+  default eps is float32's machine epsilon, and it scales by w in float32 before rounding
+  to x's dtype, so a narrow x is read through a float32 cast
 each with ``x.pow(2)`` or ``x * x`` for the square, eps on either side of the add; a
 float32 upcast of x and a downcast of the result around it (Hugging Face); the weight on
 either side of the multiply; ``(1 + w)`` scaling (Gemma), carried as ``weight_offset``; no
@@ -28,7 +32,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.rewrite import (
-    ADD_OPS, MUL_OPS, RECIPROCAL_OPS, ROOT_OPS, cast_like, commuted, expect, expect_op, is_cast, is_exact_upcast,
+    ADD_OPS, MUL_OPS, RECIPROCAL_OPS, call_args, cast_like, commuted, expect, expect_op, is_cast, is_exact_upcast,
     is_last_dim, is_op, NoMatch, only_user, PatternPass, scalar, single_use, val,
 )
 
@@ -42,6 +46,7 @@ class RmsNormMatch:
     weight_offset: float
     eps: float
     output: fx.Node  # the node whose value the fused op replaces
+    upcast: bool = False  # read x and w as float32 (aten.rms_norm scales by w before rounding)
 
 
 @dataclass
@@ -126,6 +131,18 @@ def match_rms_core(root: fx.Node) -> tuple[fx.Node, fx.Node, float]:
     return x, core.normed, eps
 
 
+def rms_norm_via_aten(node: fx.Node) -> RmsNormMatch:
+    args = call_args(node)
+    x, dims, weight, eps = args["input"], list(args["normalized_shape"]), args["weight"], args["eps"]
+    shape = list(val(x).shape)
+    expect(len(dims) == 1 and shape[-1:] == dims, f"normalized over {dims} of {shape}, expected the last dim", node)
+    dtype = val(x).dtype
+    if eps is None:  # what aten.rms_norm itself uses
+        eps = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
+    expect(scalar(eps) is not None, "eps is not a constant", node)
+    return RmsNormMatch(x, weight, 0.0, scalar(eps), node, upcast=dtype in (torch.float16, torch.bfloat16))
+
+
 def match_weight(normed: fx.Node) -> tuple[fx.Node | None, float, fx.Node]:
     """The optional ``* w`` or ``* (1 + w)`` after the normalisation (through a cast)."""
     out = normed
@@ -149,7 +166,7 @@ def match_weight(normed: fx.Node) -> tuple[fx.Node | None, float, fx.Node]:
 class FuseRmsNorm(PatternPass):
     name = "fuse_rms_norm"
     summary = "x * rsqrt(mean(x^2) + eps) * w (or x / sqrt, x * pow(-0.5), 1 / sqrt) -> graphopt.rms_norm"
-    anchors = tuple(INVERSE_ROOT)
+    anchors = (*INVERSE_ROOT, aten.rms_norm.default)
 
     def screen(self, root: fx.Node) -> str | None:
         # Every x.pow(2) is an anchor too: only pow(v, -0.5) is an inverse root.
@@ -158,6 +175,8 @@ class FuseRmsNorm(PatternPass):
         return None
 
     def match(self, root: fx.Node, options) -> RmsNormMatch:
+        if root.target is aten.rms_norm.default:
+            return rms_norm_via_aten(root)
         squared, normed, eps = match_rms_core(root)
         weight, offset, output = match_weight(normed)
         x = squared
@@ -174,9 +193,16 @@ class FuseRmsNorm(PatternPass):
         return RmsNormMatch(x, weight, offset, eps, output)
 
     def rewrite(self, gm: fx.GraphModule, m: RmsNormMatch, options) -> None:
-        with gm.graph.inserting_before(m.output):
-            fused = gm.graph.call_function(
-                torch.ops.graphopt.rms_norm.default, (m.x, m.weight, m.eps, m.weight_offset))
+        graph = gm.graph
+        with graph.inserting_before(m.output):
+            x, weight = m.x, m.weight
+            if m.upcast:
+                x = graph.call_function(aten._to_copy.default, (x,), {"dtype": torch.float32})
+                ir.infer_val(x)  # cast_like infers the op's value from its inputs'
+                if weight is not None and val(weight).dtype != torch.float32:
+                    weight = graph.call_function(aten._to_copy.default, (weight,), {"dtype": torch.float32})
+                    ir.infer_val(weight)
+            fused = graph.call_function(torch.ops.graphopt.rms_norm.default, (x, weight, m.eps, m.weight_offset))
             result = cast_like(gm, fused, m.output)
         m.output.replace_all_uses_with(result)
 

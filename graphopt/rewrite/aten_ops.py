@@ -53,9 +53,7 @@ BATCHED_MATMUL_OPS = (aten.bmm.default, aten.matmul.default)  # attention's q @ 
 # --- Activations and normalisation pieces.
 SOFTMAX_OPS = (aten._softmax.default, aten.softmax.int)
 GATE_ACTIVATION_OPS = (aten.silu.default, aten.gelu.default)  # the gate of SwiGLU / GeGLU
-# The inverse square root of RMSNorm's mean square: rsqrt(v), pow(v, -0.5), or sqrt(v)
-# divided by or inverted (x / sqrt(v), 1 / sqrt(v)).
-ROOT_OPS = (aten.rsqrt.default, aten.sqrt.default, aten.pow.Tensor_Scalar)
+# 1 / t: aot writes ``1 / t`` this way (RMSNorm's ``1 / sqrt(v)``).
 RECIPROCAL_OPS = (aten.reciprocal.default,)
 
 # --- Attention.

@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from graphopt import ir
 
 from tests.helpers import aten_graph, assert_matches_eager, compile_with_graphopt, count, eager, run_pass
 
@@ -218,3 +221,34 @@ def test_powers_other_than_minus_half_are_screened_with_their_reason():
     assert [(m.reason, m.screened) for m in result.near_misses] == [
         ("pow(x, 2) is no inverse square root (only pow(v, -0.5) is)", True),
         ("pow(x, -0.25) is no inverse square root (only pow(v, -0.5) is)", True)]
+
+
+# -- aten.rms_norm (nn.RMSNorm, F.rms_norm), which torch.export keeps whole --------------------
+
+
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-6), (torch.float16, 1e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("eps", [1e-6, None], ids=["eps", "default_eps"])
+def test_export_graph_aten_rms_norm_fuses(eps, dtype, rel):
+    torch.manual_seed(0)
+    module = nn.RMSNorm(32, eps=eps).to(dtype)
+    nn.init.normal_(module.weight, 1.0, 0.1)
+    x = torch.randn(2, 5, 32).to(dtype)
+    gm = aten_graph(module, x)
+    assert run_pass("fuse_rms_norm", gm).stats["matches"] == 1
+    counts = ir.op_counts(gm)
+    assert counts.get("graphopt.rms_norm") == 1 and "aten.rms_norm" not in counts
+    out = gm(x)[0]
+    assert out.dtype == dtype
+    assert_matches_eager(out, eager(module, x), rel=rel)  # fp16: the op scales by w in fp32, as aten does
+
+
+class RmsNormOverTwoDims(nn.Module):
+    def forward(self, x):
+        return F.rms_norm(x, [4, 8], eps=1e-6)
+
+
+def test_skips_aten_rms_norm_over_more_than_the_last_dim():
+    gm = aten_graph(RmsNormOverTwoDims(), torch.randn(2, 4, 8))
+    result = run_pass("fuse_rms_norm", gm)
+    assert result.stats["matches"] == 0
+    assert [m.reason for m in result.near_misses] == ["normalized over [4, 8] of [2, 4, 8], expected the last dim"]
