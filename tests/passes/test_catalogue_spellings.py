@@ -156,9 +156,19 @@ class Logits(nn.Module):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
-def test_transformers_phi3_fuses_fully_on_onnxruntime(impl):
+def test_transformers_phi3_fuses_fully_on_onnxruntime(impl, monkeypatch):
     pytest.importorskip("onnxruntime", reason="the onnxruntime target needs onnxruntime")
     import transformers
+
+    import graphopt.backends.onnxruntime.export as ort_export
+
+    models, export_graph = [], ort_export.export_graph
+
+    def keep(*args, **kwargs):  # the ONNX model the target runs
+        models.append(export_graph(*args, **kwargs))
+        return models[-1]
+
+    monkeypatch.setattr(ort_export, "export_graph", keep)
 
     torch.manual_seed(0)
     config = transformers.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -174,4 +184,9 @@ def test_transformers_phi3_fuses_fully_on_onnxruntime(impl):
     assert ops["graphopt.rms_norm"] + ops["graphopt.add_rms_norm"] == 2 * 2 + 1
     assert ops["graphopt.swiglu"] == 2 and ops["graphopt.qkv_proj"] == 2 and ops["graphopt.attention"] == 2
     assert "aten.silu" not in report.op_counts and "aten.split" not in report.op_counts
+    (model,) = models
+    onnx_ops = model.op_histogram()
+    # every norm reached ORT as its fused kernel
+    assert onnx_ops.get("com.microsoft::SkipSimplifiedLayerNormalization") == ops["graphopt.add_rms_norm"]
+    assert onnx_ops.get("SimplifiedLayerNormalization") == ops["graphopt.rms_norm"]
     assert_matches_eager(out, eager(module, ids), rel=1e-5)
