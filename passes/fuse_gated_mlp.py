@@ -60,10 +60,9 @@ class GateActivation:
 
 def gate_activation(node: object) -> GateActivation | None:
     """``node`` as a gate activation, or None."""
-    if is_op(node, aten.silu.default):
-        return GateActivation(node, node.args[0], (node,), "silu")
-    if is_op(node, aten.gelu.default):
-        return GateActivation(node, node.args[0], (node,), "gelu", node.kwargs.get("approximate", "none"))
+    if is_op(node, *GATE_ACTIVATION_OPS):
+        kind = "silu" if node.target is aten.silu.default else "gelu"
+        return GateActivation(node, node.args[0], (node,), kind, node.kwargs.get("approximate", "none"))
     if is_op(node, aten.mul.Tensor):
         for gate, sig in (node.args[:2], node.args[1::-1]):
             if is_op(sig, aten.sigmoid.default) and sig.args[0] is gate:

@@ -107,8 +107,8 @@ INVERSE_ROOT: dict[object, Callable[[fx.Node], InverseRoot]] = {
 def match_rms_core(root: fx.Node) -> tuple[fx.Node, fx.Node, float]:
     """From the inverse root of ``mean(x^2) + eps`` return (x_squared, normed = x * v^-1/2, eps)."""
     core = INVERSE_ROOT[root.target](root)
-    add = single_use(expect_op(core.variance_eps, ADD_OPS, f"{ir.target_name(root.target).removeprefix('aten.')} input"),
-                     "variance + eps")
+    root_name = ir.target_name(root.target).removeprefix("aten.")
+    add = single_use(expect_op(core.variance_eps, ADD_OPS, f"{root_name} input"), "variance + eps")
     mean, eps = add.args[0], scalar(add.args[1])
     if eps is None and isinstance(add.args[1], fx.Node):  # eps + mean written the other way round
         mean, eps = add.args[1], scalar(add.args[0])

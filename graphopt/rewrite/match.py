@@ -39,7 +39,7 @@ def expect_op(node: Any, targets: Iterable[Any] | Any, what: str) -> fx.Node:
     targets = tuple(targets) if isinstance(targets, (tuple, list, set)) else (targets,)
     if not is_op(node, *targets):
         found = ir.target_name(node.target) if isinstance(node, fx.Node) else repr(node)
-        expected = " or ".join(dict.fromkeys(ir.target_name(t) for t in targets))  # overloads once
+        expected = " or ".join(dict.fromkeys(ir.target_name(t) for t in targets))  # names once
         raise NoMatch(f"{what}: expected {expected}, found {found}", node if isinstance(node, fx.Node) else None)
     return node
 
