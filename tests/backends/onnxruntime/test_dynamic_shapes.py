@@ -10,6 +10,7 @@ import torch
 
 import graphopt
 from graphopt import models
+from graphopt.backends.onnxruntime import export as export_module
 from graphopt.backends.onnxruntime import session as session_module
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.helpers import assert_matches_eager, eager
@@ -31,6 +32,20 @@ def sessions_run(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def exported(monkeypatch):
+    """The ONNX models the target exports during a test, in order."""
+    seen = []
+    real = export_module.export_graph
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(export_module, "export_graph", spy)
+    return seen
+
+
 def compile_fresh(module, **kwargs):
     torch._dynamo.reset()
     graphopt.reset()
@@ -47,7 +62,7 @@ def run_checked(compiled, model, batch: int, seq: int) -> None:
         assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)  # logits and the KV cache
 
 
-def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions_run, caplog):
+def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions_run, exported, caplog):
     model = models.build("llama-tiny")
     compiled = compile_fresh(model)
     # 6 lengths, 3 batch sizes. Not batch 1: dynamo specializes a size of 1, so a batch of 1
@@ -59,6 +74,10 @@ def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions
     made = builds()
     assert len(made) == 2, made  # the first static compile, then dynamo's dynamic recompile
     assert made[0]["dynamic_dims"] == [] and len(made[1]["dynamic_dims"]) == 2  # batch and sequence
+    # q and k share the sequence symbol, so the dynamic model picks the same fused ops
+    # (GroupQueryAttention, RotaryEmbedding, ...) as the static one.
+    static, dynamic = exported
+    assert dynamic.fused_op_counts() == static.fused_op_counts() and static.fused_op_counts()
     assert {r.target for r in graphopt.reports()} == {"onnxruntime"}
     assert len(sessions_run) == len(calls) and len(set(map(id, sessions_run[1:]))) == 1
     # The recompile names the guard that failed, once.
@@ -92,7 +111,7 @@ def test_mark_dynamic_exports_once():
     assert build["shapes"][0][0] == 2 and isinstance(build["shapes"][0][1], str)
 
 
-def test_decode_loop_does_not_export_per_token():
+def test_decode_loop_does_not_export_per_token(exported):
     model = models.build("llama-tiny")
     compiled = compile_fresh(model)
     (ids,) = models.example_inputs(model, batch=2, seq_len=6, seed=1)
@@ -111,6 +130,9 @@ def test_decode_loop_does_not_export_per_token():
     assert counts[1] == counts[-1] == 3, counts
     (decode,) = [b for b in builds() if b["dynamic_dims"]]
     assert decode["shapes"][0] == [2, 1]  # the new token stays one token: GQA decodes with past
+    prefill, static_step, dynamic_step = exported
+    assert dynamic_step.cached_attention == static_step.cached_attention == 2  # both layers
+    assert dynamic_step.fused_op_counts() == static_step.fused_op_counts()
 
 
 class ShapeOutput(torch.nn.Module):
