@@ -335,3 +335,14 @@ def test_reference_llama_one_swiglu_per_layer():
     out, report = compile_with_graphopt(model, *inputs, passes=PIPE)
     assert count(report, "graphopt.swiglu") == models.config_of("llama-tiny").num_layers
     assert_matches_eager(out, eager(model, *inputs), rel=1e-5)
+
+
+@pytest.mark.parametrize("gate_first", [True, False], ids=["gate_first", "gate_second"])
+def test_export_graph_merged_projection(gate_first):
+    torch.manual_seed(0)
+    module, x = MergedGatedMlp(gate_first=gate_first, bias=True), torch.randn(2, 5, 16)
+    gm = aten_graph(module, x)
+    assert run_pass("fuse_gated_mlp", gm).stats["matches"] == 1
+    counts = ir.op_counts(gm)
+    assert counts.get("aten.linear") == 1 and counts.get("graphopt.swiglu") == 1 and "aten.split" not in counts
+    assert_matches_eager(gm(x)[0], eager(module, x), rel=1e-5)

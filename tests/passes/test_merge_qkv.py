@@ -308,3 +308,13 @@ def test_reference_models_one_qkv_per_layer(name):
 
     model, inputs = models.build(name), models.example_inputs(name)
     _check_model(model, inputs, models.config_of(name).num_layers, PIPE)
+
+
+def test_export_graph_merged_projection():
+    torch.manual_seed(0)
+    module, x = MergedAttention(bias=True), torch.randn(2, 5, 32)
+    gm = aten_graph(module, x)
+    assert run_pass("merge_qkv", gm).stats["matches"] == 1
+    counts = ir.op_counts(gm)
+    assert counts.get(QKV) == 1 and counts.get("aten.linear") == 1 and "aten.slice" not in counts
+    assert_matches_eager(gm(x)[0], eager(module, x), rel=1e-5)
