@@ -4,9 +4,10 @@ another batch or sequence length, as a server calls it with prompts of other len
 The generator draws one ``[B, S, H]`` (or ``[S, H]``) shape per case and the emitted code
 reads batch and sequence sizes from its inputs, so most cases run at any length. Which
 axis a case really allows is found by trying: every input axis of the old size gets the
-new size (rotary tables and masks follow the sequence), and the resized inputs count only
-when eager runs them to finite outputs (a weight sized along the axis, a norm over it,
-would refuse them). Axes of size 2 or more come first: dynamo specializes a size of 1,
+new size (rotary tables and masks follow the sequence; a size of 1 changes only at that
+axis of inputs shaped like the first, since 1 is also every broadcast axis), and the
+resized inputs count only when eager runs them to finite outputs (a weight sized along
+the axis, a norm over it, would refuse them). Axes of size 2 or more come first: dynamo specializes a size of 1,
 so growing one costs a second (symbolic) compile, which the fuzzer counts as a recompile;
 it is tried last, so that a case with only such axes still runs at two shapes.
 """
@@ -37,10 +38,31 @@ class Shape:
         return f"{self.axis} {self.new} (compiled at {self.old})"
 
 
+def _first_shape(case: Case) -> tuple[int, ...] | None:
+    return next((i.value.shape for i in case.inputs if len(i.value.shape) >= 2 and i.fill == "randn"), None)
+
+
+def resized_shapes(case: Case, axis: str, old: int, new: int) -> list[tuple[int, ...]]:
+    """Each input's shape with the ``axis`` of size ``old`` grown to ``new``."""
+    first = _first_shape(case)
+    position = len(first) - 2 if axis == "sequence" else 0
+    out = []
+    for i in case.inputs:
+        shape = list(i.value.shape)
+        if old >= 2:
+            shape = [new if n == old else n for n in shape]
+        elif len(shape) == len(first) and i.fill == "randn":
+            shape[position] = new
+        elif axis == "sequence" and i.fill != "randn" and i.fill != "eps":
+            shape[0] = new  # a rotary table: one row per position
+        out.append(tuple(shape))
+    return out
+
+
 def candidate_axes(case: Case) -> list[tuple[str, int, int]]:
     """(axis, old size, new size) to try: sequence first (the axis a prompt varies), sizes
     of 1 last."""
-    first = next((i.value.shape for i in case.inputs if len(i.value.shape) >= 2 and i.fill == "randn"), None)
+    first = _first_shape(case)
     if first is None:
         return []
     named = [("sequence", first[-2], first[-2] + 2)]
@@ -54,7 +76,7 @@ def second_shape(case: Case, module: torch.nn.Module) -> tuple[Shape | None, str
     tried = []
     for axis, old, new in candidate_axes(case):
         try:
-            inputs = resized_inputs(case, old, new)
+            inputs = resized_inputs(case, resized_shapes(case, axis, old, new))
         except Exception as error:  # an input the generator cannot fill at that size
             tried.append(f"{axis}: {first_line(error)}")
             continue

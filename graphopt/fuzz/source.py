@@ -176,11 +176,11 @@ def inputs_source(case: Case, inputs: list[Input], seed_offset: int = 1) -> str:
     return "\n".join(lines)
 
 
-def resized_inputs(case: Case, old: int, new: int, seed_offset: int = 2) -> tuple[Any, ...]:
-    """The case's inputs with every axis of size ``old`` made ``new`` (a batch or sequence
-    length), filled the same way (rotary tables for the new length, ...)."""
-    inputs = [Input(i.id, Value(tuple(new if n == old else n for n in i.value.shape), i.value.dtype, i.value.mag),
-                    i.fill, i.fill_arg) for i in case.inputs]
+def resized_inputs(case: Case, shapes: list[tuple[int, ...]], seed_offset: int = 2) -> tuple[Any, ...]:
+    """The case's inputs at ``shapes`` (one per input), filled the same way (rotary tables
+    for the new length, ...)."""
+    inputs = [Input(i.id, Value(tuple(shape), i.value.dtype, i.value.mag), i.fill, i.fill_arg)
+              for i, shape in zip(case.inputs, shapes)]
     preamble = PREAMBLE.format(title="resized inputs", steps=len(case.steps), dtype=case.dtype, seed=case.seed)
     return load_source(preamble + inputs_source(case, inputs, seed_offset), case.name + "_inputs").make_inputs()
 
