@@ -2,6 +2,8 @@
 to that prompt decoded alone, on the eager runner (a real attention mask), the compiled eager
 target and onnxruntime (groups of one prompt length: their steps take no mask)."""
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -55,7 +57,7 @@ def test_model_generate_agrees_on_the_padded_batch(hf_model):
 
 
 @pytest.mark.parametrize("target", ["eager", pytest.param("onnxruntime", marks=pytest.mark.skipif(
-    not graphopt.generation.api.importlib.util.find_spec("onnxruntime"), reason="onnxruntime is not installed"))])
+    not importlib.util.find_spec("onnxruntime"), reason="onnxruntime is not installed"))])
 def test_every_row_equals_its_prompt_alone(hf_model, alone, target):
     ids, mask = left_padded(PROMPTS)
     out = graphopt.generate(hf_model, ids, NEW, attention_mask=mask, stop=STOP,
