@@ -150,17 +150,53 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
     outputs_plan = model.output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
+    layouts = _output_layouts(gm)
 
     def run(*args: Any) -> Any:
         outputs = runner(*[args[i] for i in tensor_positions])
         sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
         result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
                   for p in outputs_plan]
+        result = [_lay_out(r, order) if order is not None else r for r, order in zip(result, layouts)]
         return result[0] if single else tuple(result)
 
     run.onnx_model = model  # for tests and tools: the exported model behind this callable
     run.session = session  # one per compiled graph, whatever shapes it serves
     return run
+
+
+def _output_layouts(gm: fx.GraphModule) -> list[list[int] | None]:
+    """Per graph output: the order of its dims in memory (outermost first) when the graph
+    returns it laid out otherwise than row-major, else None.
+
+    ONNX Runtime returns row-major tensors. aot_autograd rebuilds an output that aliases
+    an input (a transposed view of it) from the strides of what we return, so a row-major
+    result in place of a transposed view would be read with the wrong strides.
+    """
+    outputs = gm.graph.output_node().args[0]
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    layouts = []
+    for out in outputs:
+        val = out.meta.get("val") if isinstance(out, fx.Node) else None
+        layouts.append(_memory_order(val) if isinstance(val, torch.Tensor) else None)
+    return layouts
+
+
+def _memory_order(val: torch.Tensor) -> list[int] | None:
+    # A symbolic stride is ordered by its hint: the layout does not change with the size.
+    strides = [s.node.hint if isinstance(s, torch.SymInt) else s for s in val.stride()]
+    if any(s is None for s in strides):
+        return None
+    order = sorted(range(val.dim()), key=lambda d: (-strides[d], d))
+    return None if order == list(range(val.dim())) else order
+
+
+def _lay_out(tensor: Any, order: list[int]) -> Any:
+    """``tensor`` copied into the memory order ``order`` (same shape and values)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(order):
+        return tensor
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    return tensor.permute(order).contiguous().permute(inverse)
 
 
 def _per_signature(gm: fx.GraphModule, provider: str, reason: str) -> Callable:

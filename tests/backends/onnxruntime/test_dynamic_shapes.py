@@ -152,6 +152,25 @@ def test_symint_outputs_follow_the_input_size():
     assert len(builds()) == 1
 
 
+class SplitHeadsView(torch.nn.Module):
+    """Returns a transposed view of its input: aot_autograd rebuilds it from the strides of
+    what the target returns (found by graphopt fuzz --seed 11, graph 118)."""
+
+    def forward(self, x):
+        return (x.reshape(x.shape[:-1] + (2, 32)).transpose(-2, -1),)
+
+
+def test_a_transposed_view_output_keeps_its_layout():
+    compiled = compile_fresh(SplitHeadsView(), dynamic=True)
+    for seq in (4, 7):
+        x = torch.randn(2, seq, 64)
+        (out,) = compiled(x)
+        (want,) = SplitHeadsView()(x)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        assert out.stride() == want.stride()
+    assert len(builds()) == 1
+
+
 class ScaledByInt(torch.nn.Module):
     """``n`` is a graph input that no tensor's size gives: no single dynamic model can take it."""
 
