@@ -171,8 +171,10 @@ def main() -> None:
             for runner, r in rows:
                 same = "yes" if torch.equal(r["tokens"], ref["tokens"]) else "no"
                 prefill = f"{r['prefill_ms']:.1f}"
-                table.add_row(label, str(batch), runner, prefill, f"{r['ms']:.2f}", f"{r['ms'] / ref['ms']:.2f}", same,
-                              f"{r['setup_s']:.0f}", r.get("note", ""))
+                row = (label, str(batch), runner, prefill, f"{r['ms']:.2f}", f"{r['ms'] / ref['ms']:.2f}", same,
+                       f"{r['setup_s']:.0f}", r.get("note", ""))
+                table.add_row(*row)
+                console.print(" | ".join(row), highlight=False)  # as it comes: a long run cut short keeps its rows
     Console(width=200).print(table)
 
 
