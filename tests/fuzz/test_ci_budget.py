@@ -1,6 +1,6 @@
 """The CI fuzz budget: random models through the whole fusion pipeline, checked against eager.
 
-About 150 graphs on the eager target and a dozen on onnxruntime fit in a few minutes on
+About 60 graphs on the eager target and a dozen on onnxruntime fit in a few minutes on
 two cores (each torch.compile costs 0.2-1 s, an ONNX export and session 1-3 s). Graphs are
 larger than the CLI's default (up to 10 steps) so each compile checks several patterns.
 Every graph is compiled once and called at two shapes (``graphopt.fuzz.shapes``).
@@ -22,17 +22,17 @@ def failures(summary) -> str:
 
 
 def test_random_graphs_match_eager_on_the_eager_target(tmp_path):
-    summary = run_fuzz(150, seed=2024, targets=["eager"], out_dir=tmp_path, settings=LARGER, shrink_budget=15)
+    summary = run_fuzz(60, seed=2024, targets=["eager"], out_dir=tmp_path, settings=LARGER, shrink_budget=15)
     result = summary.to_dict()
-    assert summary.graphs == 150 and summary.invalid == 0, result["invalid_examples"]
+    assert summary.graphs == 60 and summary.invalid == 0, result["invalid_examples"]
     assert summary.mismatches == 0 and summary.crashes == 0, failures(summary)
     assert result["no_hits"] == [], result["hits"]
     # nothing falls back on the eager target: a pass that raises on a valid graph is a bug
     # even though the model still runs
     assert result["fallbacks"] == []
-    # 142 of 150 run at a second length; the other 8 have a weight or a norm sized along
-    # their only batch/sequence axis, so no second shape exists for them
-    assert summary.multi_shape >= 142, result["single_shape_examples"]
+    # 59 of 60 run at a second length; the other has a weight or a norm sized along its
+    # only batch/sequence axis, so no second shape exists for it
+    assert summary.multi_shape >= 59, result["single_shape_examples"]
     assert summary.targets["eager"].recompiled == 0, "a second shape of sizes >= 2 must reuse the first compile"
 
 
