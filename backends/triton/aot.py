@@ -18,9 +18,16 @@ Where the numbers come from (None where unknown):
   ``spills`` is ``.vgpr_spill_count + .sgpr_spill_count``.
 - ``shared_memory``: triton's ``metadata.shared``, the bytes of shared memory (LDS on
   AMD) a launch requests.
+- ``global_load_bits`` / ``async_copies`` (:func:`load_facts`): the widest load from
+  global memory and the count of asynchronous global-to-shared copies, read from the
+  PTX or amdgcn. A memory-bound kernel that the compiler did not vectorise shows up
+  here as 8/16/32 bits, where 128 (``ld.global.v4.b32``, ``global_load_dwordx4``) is
+  what moves bytes at bandwidth.
 
-For a kernel with several functions (flash_decoding) the top-level numbers are the
-maxima over its functions. Builds are cached in a private TRITON_CACHE_DIR (a temp dir
+For a kernel with several functions (flash_decoding, or every variant with ``tuning``)
+the top-level registers, spills and shared memory are the maxima over its functions,
+``global_load_bits`` the minimum (the narrowest variant is the one to look at) and
+``async_copies`` the sum. Builds are cached in a private TRITON_CACHE_DIR (a temp dir
 unless ``cache_dir`` is given), never in ~/.triton.
 
 A process running under ``TRITON_INTERPRET=1`` holds interpreted kernels, which cannot
@@ -67,6 +74,8 @@ class FunctionBuild:
     registers: int | None = None
     spills: int | None = None
     shared_memory: int | None = None
+    global_load_bits: int | None = None  # widest global load (0: the function loads nothing)
+    async_copies: int | None = None      # cp.async / direct-to-LDS buffer loads in the code
     details: dict[str, int] = field(default_factory=dict)
 
 
@@ -79,6 +88,8 @@ class BuildResult:
     registers: int | None = None
     shared_memory: int | None = None
     spills: int | None = None
+    global_load_bits: int | None = None
+    async_copies: int | None = None
     functions: list[FunctionBuild] = field(default_factory=list)
 
     @classmethod
@@ -194,7 +205,10 @@ def _build_here(kernel: str, arch: str, cache_dir: str, tuning: bool = False) ->
         return BuildResult(kernel, arch, False, error=f"{type(e).__name__}: {str(e).strip()[:2000]}")
     result = BuildResult(kernel, arch, True, functions=funcs,
                          registers=_max(f.registers for f in funcs), spills=_max(f.spills for f in funcs),
-                         shared_memory=_max(f.shared_memory for f in funcs))
+                         shared_memory=_max(f.shared_memory for f in funcs),
+                         global_load_bits=min((f.global_load_bits for f in funcs if f.global_load_bits is not None),
+                                              default=None),
+                         async_copies=sum(f.async_copies or 0 for f in funcs))
     problems = prove(result)
     if problems:
         result.built, result.error = False, "; ".join(problems)
@@ -206,9 +220,14 @@ def _compile(spec, backend: str, target_arch, warp: int) -> FunctionBuild:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(spec.fn, spec.full_signature(), spec.constexprs, spec.attrs())
+    # A config may carry backend options next to its constexprs (waves_per_eu, kpack, ...), as
+    # triton.Config does: the JIT passes those to the compiler, so AOT does the same.
+    constexprs = {k: v for k, v in spec.constexprs.items() if k in spec.fn.arg_names}
+    backend_options = {k: v for k, v in spec.constexprs.items() if k not in spec.fn.arg_names}
+    src = ASTSource(spec.fn, spec.full_signature(), constexprs, spec.attrs())
     # fp fusion stated explicitly: triton 3.9 warns when it has to pick the default.
-    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": True}
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": True,
+               **backend_options}
     compiled = triton.compile(src, target=GPUTarget(backend, target_arch, warp), options=options)
     artifacts = {}
     for filename, path in compiled.metadata_group.items():
@@ -216,11 +235,63 @@ def _compile(spec, backend: str, target_arch, warp: int) -> FunctionBuild:
         if ext in _ARTIFACTS[backend]:
             artifacts[ext] = path
     fb = FunctionBuild(compiled.name, artifacts, spec.label, shared_memory=compiled.metadata.shared)
+    text = compiled.asm["ptx" if backend == "cuda" else "amdgcn"]
+    widths, fb.async_copies = load_widths(text, backend)
+    fb.global_load_bits = max(widths, default=0)
+    for bits in sorted(set(widths)):  # how many loads of each width: the narrow ones are what to fix
+        fb.details[f"global_loads_{bits}b"] = widths.count(bits)
     if backend == "cuda":
         _nvidia_resources(fb, target_arch)
     else:
-        _amd_resources(fb, compiled.asm["amdgcn"])
+        _amd_resources(fb, text)
     return fb
+
+
+# PTX: `[@%p] ld.global[.nc][.L1::...][.v2|.v4].<type>` and `cp.async.{ca,cg}.shared.global [dst], [src], bytes`
+# (the Ampere+ copy into shared memory that Triton's pipeliner issues), plus Hopper's TMA copies.
+_PTX_LOAD = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global((?:\.[\w:]+)+)\s", re.M)
+_PTX_CP_ASYNC = re.compile(r"^\s*(?:@!?%p\w*\s+)?cp\.async\.c[ag]\.shared(?:::cta)?\.global\S*\s+\[[^\]]*\],"
+                           r"\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)", re.M)
+_PTX_TMA = re.compile(r"^\s*(?:@!?%p\w*\s+)?cp\.async\.bulk\.", re.M)
+# amdgcn: global_load_* / buffer_load_* by width; `buffer_load_... lds` and `global_load_lds_*` write LDS
+# directly (the AMD async copy; Triton uses it on gfx950+, or with TRITON_HIP_USE_ASYNC_COPY=1).
+_AMD_LOAD = re.compile(r"^\s*(global_load|buffer_load)_(lds_)?(\w+)([^\n]*)$", re.M)
+_AMD_BITS = {"ubyte": 8, "sbyte": 8, "ushort": 16, "sshort": 16, "short_d16": 16, "short_d16_hi": 16,
+             "ubyte_d16": 8, "sbyte_d16": 8, "ubyte_d16_hi": 8, "sbyte_d16_hi": 8, "dword": 32,
+             "dwordx2": 64, "dwordx3": 96, "dwordx4": 128, "b32": 32, "b64": 64, "b96": 96, "b128": 128,
+             "u8": 8, "i8": 8, "u16": 16, "i16": 16}
+
+
+def load_facts(text: str, backend: str) -> tuple[int, int]:
+    """(widest global load in bits, count of async global-to-shared copies) in PTX or amdgcn.
+
+    The width counts ``cp.async`` copies too (a 16-byte ``cp.async`` moves 128 bits from
+    global memory), so a kernel whose loads all go through the pipeliner still shows
+    its width. 0 bits: no global load at all.
+    """
+    widths, copies = load_widths(text, backend)
+    return max(widths, default=0), copies
+
+
+def load_widths(text: str, backend: str) -> tuple[list[int], int]:
+    """The bit width of every global load (``cp.async`` included) and the async copy count."""
+    widths, copies = [], 0
+    if backend == "cuda":
+        for m in _PTX_LOAD.finditer(text):
+            parts = m.group(1).split(".")
+            vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+            bits = next((int(p[1:]) for p in parts if re.fullmatch(r"[bsuf]\d+", p)), 0)
+            widths.append(vec * bits)
+        for m in _PTX_CP_ASYNC.finditer(text):
+            widths.append(8 * int(m.group(1), 0))
+            copies += 1
+        copies += len(_PTX_TMA.findall(text))
+    else:
+        for m in _AMD_LOAD.finditer(text):
+            widths.append(_AMD_BITS.get(m.group(3), 0))
+            if m.group(2) or re.search(r"\blds\b", m.group(4).split(";")[0]):
+                copies += 1
+    return widths, copies
 
 
 def _nvidia_resources(fb: FunctionBuild, capability: int) -> None:

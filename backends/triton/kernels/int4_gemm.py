@@ -39,17 +39,35 @@ DECODE_MAX_M = 16
 
 @triton.jit
 def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, stride_sn, stride_zn,
-               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr):
+               GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight stream of the K step at ``k0``: packed bytes [BLOCK_K / 2, BLOCK_N] (u8),
-    and the step's scale and zero point per column (fp32). Masked off past ``k_end``."""
-    even_ok = k0 + 2 * offs_j < k_end  # a byte whose low nibble is past the end holds only padding
-    packed = tl.load(w_ptr + n64[None, :] * stride_wn + (k0 // 2 + offs_j)[:, None],
-                     mask=even_ok[:, None] & n_ok[None, :], other=0)
-    group = k0 // GROUP
-    live = n_ok & (n64 * 0 + k0 < k_end)  # as a tensor: a scalar mask trips the interpreter
-    scale = tl.load(s_ptr + n64 * stride_sn + group, mask=live, other=0.0).to(tl.float32)
+    and the scales and zero points (fp32) as [1, BLOCK_N] when the step lies in one group,
+    else [BLOCK_K / 2, BLOCK_N] (one per byte: GROUP is even, so a byte's two codes share
+    a group). ``n_ok`` masks columns; it is all false for a step past the end (the GEMV's
+    last prefetch).
+    """
+    if GROUP % BLOCK_K == 0:
+        # The common path. k0 is a multiple of BLOCK_K (splits start on group boundaries)
+        # and k0 + BLOCK_K <= K_pad, so every byte of the step is inside the buffer: the
+        # codes past K are padding and meet x = 0. No mask varies along k, so each
+        # column's BLOCK_K / 2 contiguous, 16-byte aligned bytes load as 128-bit vectors
+        # (and go through cp.async on the MMA paths).
+        j0 = tl.multiple_of(k0 // 2, BLOCK_K // 2)
+        packed = tl.load(w_ptr + n64[None, :] * stride_wn + (j0 + offs_j)[:, None],
+                         mask=n_ok[None, :], other=0)
+        group = (k0 + n64[None, :] * 0) // GROUP  # as a tensor: a scalar index trips the interpreter
+        s_mask = n_ok[None, :]
+    else:
+        # Masked fallback (a group smaller than, or not a multiple of, BLOCK_K): per-byte
+        # masks and per-byte groups; correct for any even GROUP, byte-wide loads.
+        k_byte = k0 + 2 * offs_j
+        byte_ok = (k_byte < k_end)[:, None] & n_ok[None, :]
+        packed = tl.load(w_ptr + n64[None, :] * stride_wn + (k0 // 2 + offs_j)[:, None], mask=byte_ok, other=0)
+        group = (k_byte // GROUP)[:, None] + n64[None, :] * 0
+        s_mask = byte_ok
+    scale = tl.load(s_ptr + n64[None, :] * stride_sn + group, mask=s_mask, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zbyte = tl.load(z_ptr + n64 * stride_zn + group // 2, mask=live, other=0)
+        zbyte = tl.load(z_ptr + n64[None, :] * stride_zn + group // 2, mask=s_mask, other=0)
         zero = ((zbyte >> ((group % 2) * 4)) & 0xF).to(tl.float32)
     else:
         zero = tl.full(scale.shape, 8.0, tl.float32)
@@ -64,8 +82,8 @@ def _dequantize(packed, scale, zero, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexp
     op's weight, value for value. Low nibbles are even k, high nibbles odd k: joining
     them on a new last axis and folding it into k restores the order.
     """
-    lo = (((packed & 0xF).to(tl.float32) - zero[None, :]) * scale[None, :]).to(dtype)
-    hi = (((packed >> 4).to(tl.float32) - zero[None, :]) * scale[None, :]).to(dtype)
+    lo = (((packed & 0xF).to(tl.float32) - zero) * scale).to(dtype)
+    hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(dtype)
     return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
@@ -79,20 +97,20 @@ def int4_gemm_kernel(
     out_ptr,       # *T [M, N] output, or *fp32 [splits, M, N] partial sums when SPLIT
     M,             # i32 rows of x
     N,             # i32 output features
-    K,             # i32 input features (K <= K_pad; the codes past K are padding)
+    K,             # i32 input features (K <= K_pad = G * GROUP; the codes past K are padding)
     k_per_split,   # i32 K elements each split program covers, a multiple of GROUP
     stride_xm,     # i32 elements between rows of x
     stride_wn,     # i32 bytes between rows of the packed weight (K_pad / 2)
     stride_sn,     # i32 elements between rows of the scales (G)
     stride_zn,     # i32 bytes between rows of the zero points
     stride_om,     # i32 elements between rows of out (N)
-    GROUP: tl.constexpr,      # quantization group size along K (32, 64, 128)
+    GROUP: tl.constexpr,      # quantization group size along K (any even size; 32, 64, 128 are fast)
     HAS_ZEROS: tl.constexpr,  # asymmetric: zero points stored; else every zero point is 8
     HAS_BIAS: tl.constexpr,   # add the bias before the cast (only without SPLIT)
     SPLIT: tl.constexpr,      # split-K: write fp32 partials at out_ptr + pid_k * M * N
     BLOCK_M: tl.constexpr,    # rows per program; >= 16 multiplies on MMA, below on FMA
     BLOCK_N: tl.constexpr,    # output columns per program
-    BLOCK_K: tl.constexpr,    # k per loop step; divides GROUP, so one scale per step and column
+    BLOCK_K: tl.constexpr,    # k per loop step; when it divides GROUP (the fast path) one scale per step
     DOT_F32: tl.constexpr,    # upcast dot operands (only the interpreter with bf16 needs it)
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -109,10 +127,11 @@ def int4_gemm_kernel(
     k_end = tl.minimum(K, k_start + k_per_split)
     if BLOCK_M >= 16:
         # MMA tiles: the weight bytes and x feed tl.dot, so Triton's pipeliner keeps
-        # num_stages - 1 steps of both in flight (cp.async into shared memory on NVIDIA).
+        # num_stages - 1 steps of both in flight (cp.async into shared memory on NVIDIA;
+        # on gfx942 global loads into registers, written to LDS a step ahead).
         for k0 in range(k_start, k_end, BLOCK_K):
             packed, scale, zero = _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn,
-                                             stride_sn, stride_zn, GROUP, HAS_ZEROS)
+                                             stride_sn, stride_zn, GROUP, HAS_ZEROS, BLOCK_K)
             w = _dequantize(packed, scale, zero, BLOCK_K, BLOCK_N, dtype)
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & (k0 + offs_k < k_end)[None, :],
                         other=0.0)
@@ -120,12 +139,15 @@ def int4_gemm_kernel(
     else:
         # GEMV on the FMA units: nothing feeds a dot, so the pipeliner leaves these loads
         # alone; the loop prefetches by hand, issuing step i + 1's weight loads before
-        # step i's multiply (the loads are in flight while it computes).
+        # step i's unpack and multiply (the loads are in flight while it computes).
         packed, scale, zero = _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k_start, k_end, stride_wn,
-                                         stride_sn, stride_zn, GROUP, HAS_ZEROS)
+                                         stride_sn, stride_zn, GROUP, HAS_ZEROS, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
-            next_packed, next_scale, next_zero = _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0 + BLOCK_K,
-                                                            k_end, stride_wn, stride_sn, stride_zn, GROUP, HAS_ZEROS)
+            k_next = k0 + BLOCK_K
+            live = n_ok & (n64 * 0 + k_next < k_end)  # as a tensor: a scalar mask trips the interpreter
+            next_packed, next_scale, next_zero = _load_step(w_ptr, s_ptr, z_ptr, n64, live, offs_j, k_next, k_end,
+                                                            stride_wn, stride_sn, stride_zn, GROUP, HAS_ZEROS,
+                                                            BLOCK_K)
             w = _dequantize(packed, scale, zero, BLOCK_K, BLOCK_N, dtype).to(tl.float32)
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & (k0 + offs_k < k_end)[None, :],
                         other=0.0).to(tl.float32)
@@ -142,23 +164,95 @@ def int4_gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit
+def int4_splitk_reduce_kernel(
+    part_ptr,     # *fp32 [splits, M * N] the split programs' partial sums
+    b_ptr,        # *T [N] bias; read only if HAS_BIAS
+    out_ptr,      # *T [M * N] output, contiguous
+    MN,           # i32 M * N
+    N,            # i32 output features (the bias repeats every N)
+    splits,       # i32 partial sums per output
+    HAS_BIAS: tl.constexpr,  # add the bias to the fp32 total before the cast
+    BLOCK: tl.constexpr,     # outputs per program
+):
+    """Second stage of split-K: sum the partials in fp32, add the bias, cast, store.
+
+    A kernel rather than torch ops, so the reduction is one launch that reads the
+    workspace once (and is captured with the rest of a decode step in a CUDA graph).
+    Split-order summation makes the result deterministic, unlike atomics.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+REDUCE_BLOCK, REDUCE_WARPS = 1024, 4  # 8 fp32 per thread of a 32-wide warp: two 128-bit loads per split
+
+
+# Bytes of packed weight each thread loads per K step: 16 is one 128-bit vector load.
+GEMV_BYTES_PER_THREAD = 16
+# fp32 products one thread holds on the FMA path (BLOCK_M x BLOCK_K x BLOCK_N / threads): past this it spills.
+FMA_PRODUCTS_PER_THREAD = 128
+
+
+def gemv_bytes_per_thread(block_n: int, block_k: int, num_warps: int, warp: int) -> int:
+    return (block_k // 2) * block_n // (num_warps * warp)
+
+
 def decode_gpu_configs(hip: bool) -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for M <= 16; BLOCK_M comes from the launcher.
-    Every group size keeps at least two (BLOCK_K = 32 divides them all)."""
-    s = 2 if hip else 4  # AMD's stream pipeliner buffers in registers/LDS: two stages fit
-    shapes = [(64, 32, 4, s), (128, 32, 4, s), (64, 64, 4, min(s, 3)), (128, 64, 4, 1 if hip else 3),
-              (32, 128, 4, min(s, 3))]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st in shapes]
+    """(BLOCK_N, BLOCK_K, warps, stages, reason) for M <= 16; BLOCK_M comes from the launcher.
+
+    Each tile gives every thread >= 16 bytes of packed weight per step at one token, so
+    a thread's codes are one 128-bit load: a 64-wide wavefront needs twice the tile (or
+    half the waves) of a 32-wide warp. Stages only matter at BLOCK_M = 16 (the MMA path;
+    the FMA path prefetches by hand).
+    """
+    if hip:
+        # gfx942: stream pipeliner stages through registers + LDS: 2 keeps LDS under 64 KiB.
+        # matrix_instr_nonkdim=16: a 16-row decode tile is one 16x16 MFMA row; 32x32 would be half padding.
+        amd = {"matrix_instr_nonkdim": 16}
+        shapes = [(128, 64, 4, 2, "256 lanes x 16 B: the widest tile that is one dwordx4 per lane"),
+                  (128, 32, 2, 2, "two waves: the same bytes per lane for any group size"),
+                  (64, 64, 2, 2, "half the columns: twice the programs for N <= 4096 on 304 CUs"),
+                  (64, 128, 4, 2, "group >= 128: long K steps, fewer loop trips")]
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, **amd}, num_warps=w, num_stages=st)
+                for bn, bk, w, st, _ in shapes]
+    # Hopper / Ampere: 4 stages of cp.async on the 16-row MMA path (16 x 64 tiles are small: 4 fit easily).
+    shapes = [(128, 32, 4, 4, "128 threads x 16 B: one ld.global.v4 per thread, any group size"),
+              (64, 64, 4, 3, "half the columns, twice the programs: fills 132 SMs at N = 4096"),
+              (128, 64, 4, 3, "two 128-bit loads per thread: more bytes in flight per SM"),
+              (64, 32, 2, 4, "two warps: small N still gets 16 B per thread"),
+              (32, 128, 4, 3, "group >= 128: long K steps, fewer loop trips")]
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st, _ in shapes]
 
 
 def prefill_gpu_configs(hip: bool) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M > 16, on MMA / MFMA tiles."""
-    if hip:  # LDS is 64 KiB: two stages at most for the large tiles
-        shapes = [(128, 128, 64, 8, 2), (128, 128, 32, 8, 2), (128, 64, 64, 4, 2), (64, 128, 32, 4, 2),
-                  (64, 64, 32, 4, 2)]
-    else:
-        shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 32, 4, 4),
-                  (64, 64, 32, 4, 4)]
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M > 16, on MMA / MFMA tiles.
+
+    The knobs are reasoned, not yet timed on a device (scripts/gpu_check.sh times them).
+    """
+    if hip:
+        # LDS is 64 KiB: two stages at most for the large tiles. MI300 knobs:
+        # matrix_instr_nonkdim=16 (16x16x16 fp16 MFMA: the dequantized tile is written to LDS
+        # in 16-wide rows, and 16x16 needs half the accumulator VGPRs of 32x32);
+        # kpack=2 (8 k-values per LDS read: ds_read_b128 of the MFMA operands);
+        # waves_per_eu=2 on 8-wave 128x128 tiles (caps VGPRs at 256 so two workgroups
+        # share a CU and one's dequant hides the other's loads), 0 (compiler's choice) on smaller tiles.
+        shapes = [(128, 128, 64, 8, 2, 2), (128, 128, 32, 8, 2, 2), (128, 64, 64, 4, 2, 0), (64, 128, 32, 4, 2, 0),
+                  (64, 64, 32, 4, 2, 0)]
+        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "matrix_instr_nonkdim": 16, "kpack": 2,
+                               "waves_per_eu": wpe}, num_warps=w, num_stages=st)
+                for bm, bn, bk, w, st, wpe in shapes]
+    # Hopper: 8 warps (two warpgroups) on 128x128 tiles for wgmma, 3-4 stages of cp.async
+    # (3 x 24 KiB at BLOCK_K = 64 leaves room for a second block per SM in 228 KiB);
+    # 4 warps on the smaller tiles, where 4 stages still fit twice per SM.
+    shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 32, 4, 4),
+              (64, 64, 32, 4, 4)]
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bm, bn, bk, w, st in shapes]
 
@@ -169,10 +263,21 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
 
 
 def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
-    """Keep the configs whose BLOCK_K divides the group size (one scale per step)."""
-    group = {**named_args, **kwargs}["GROUP"]
+    """Keep the configs whose BLOCK_K divides the group size (one scale per step, unmasked
+    128-bit loads), else those with the smallest BLOCK_K (the masked fallback); on the
+    FMA path (BLOCK_M < 16) drop tiles whose product would not fit in registers."""
+    args = {**named_args, **kwargs}
+    group, block_m, warp = args["GROUP"], args.get("BLOCK_M"), warp or _common.warp_size()
     kept = [c for c in configs if group % c.kwargs.get("BLOCK_K", group) == 0]
-    return kept or configs[:1]
+    if not kept:
+        smallest = min(c.kwargs.get("BLOCK_K", 0) for c in configs)
+        kept = [c for c in configs if c.kwargs.get("BLOCK_K", 0) == smallest]
+    if block_m is not None and block_m < 16 and "BLOCK_M" not in kept[0].kwargs:
+        def products(c):
+            return block_m * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] // (c.num_warps * warp)
+        fits = [c for c in kept if products(c) <= FMA_PRODUCTS_PER_THREAD]
+        kept = fits or [min(kept, key=products)]
+    return kept
 
 
 _DECODE_KEY = ["N", "K", "GROUP", "HAS_ZEROS", "SPLIT", "BLOCK_M"]
@@ -188,11 +293,11 @@ int4_gemm_prefill = triton.autotune(
 
 
 def _split_count(m: int, n: int, groups: int, device: torch.device) -> int:
-    """K splits for a decode launch: enough programs for two per SM, in whole groups."""
+    """K splits for a decode launch: enough programs for two per SM (CU), in whole groups."""
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(n, 64)  # the decode configs' typical BLOCK_N
+    tiles = triton.cdiv(n, 128)  # the decode configs' typical BLOCK_N
     return max(1, min(groups, (2 * sms) // max(1, tiles)))
 
 
@@ -234,35 +339,41 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
         int4_gemm_decode[grid](x2, packed, scales, zeros, bias_arg, o2, m, n, k, per_split, *strides, o2.stride(0),
                                HAS_BIAS=bias is not None, SPLIT=False, BLOCK_M=block_m, **common)
         return out
+    # fp32 partials reduced on the device by a second kernel (bias and cast fused into it).
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     int4_gemm_decode[grid](x2, packed, scales, zeros, bias_arg, partial, m, n, k, per_split, *strides, n,
                            HAS_BIAS=False, SPLIT=True, BLOCK_M=block_m, **common)
-    total = partial.sum(0)
-    if bias is not None:
-        total += bias.float()
-    o2.copy_(total)
+    block = 128 if _common.interpreting() else REDUCE_BLOCK
+    int4_splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        partial, bias_arg, o2, m * n, n, splits, HAS_BIAS=bias is not None, BLOCK=block,
+        num_warps=REDUCE_WARPS * 32 // _common.warp_size())
     return out
 
 
 def aot_specs(name: str, warp: int) -> list[dict]:
     """fp16, group 32, symmetric, K = N = 4096 (a Llama-7B projection) as the JIT sees them:
     prefill on 128x128 MMA tiles (first: registry.tuning_specs builds every config on it),
-    decode of 16 rows on MMA, decode of one token (GEMV on FMA) split over K."""
+    decode of 16 rows on MMA and of one token (GEMV on FMA, split over K) with the vendor's
+    first decode config, and the split-K reduction."""
     sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*fp16",
            "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_sn": "i32", "stride_zn": "i32", "stride_om": "i32"}
     base = {"GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": False, "DOT_F32": False}
     divisible = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_om")
     hip = warp == 64
-    prefill = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=8, num_stages=2 if hip else 3,
-                   constexprs={**base, "SPLIT": False, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32},
-                   label="prefill 128x128x32")
-    decode16 = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=4, num_stages=2 if hip else 4,
-                    constexprs={**base, "SPLIT": False, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 32},
+    first_prefill = prefill_gpu_configs(hip)[1]  # the BLOCK_K = 32 128x128 tile: fits group 32
+    prefill = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=first_prefill.num_warps,
+                   num_stages=first_prefill.num_stages,
+                   constexprs={**base, "SPLIT": False, **first_prefill.kwargs}, label="prefill 128x128x32")
+    dec = prune_configs(decode_gpu_configs(hip), {"GROUP": 32, "BLOCK_M": 1}, warp=warp)[0]  # what group 32 runs
+    decode16 = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=dec.num_warps,
+                    num_stages=dec.num_stages, constexprs={**base, "SPLIT": False, "BLOCK_M": 16, **dec.kwargs},
                     label="decode M=16")
-    gemv_sig = {**sig, "out_ptr": "*fp32"}
-    gemv = dict(fn=int4_gemm_kernel, signature=gemv_sig, divisible=divisible, num_warps=4,
-                num_stages=2 if hip else 4,
-                constexprs={**base, "SPLIT": True, "BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 32},
-                label="decode M=1 split-K")
-    return [prefill, decode16, gemv]
+    gemv = dict(fn=int4_gemm_kernel, signature={**sig, "out_ptr": "*fp32"}, divisible=divisible,
+                num_warps=dec.num_warps, num_stages=dec.num_stages,
+                constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **dec.kwargs}, label="decode M=1 split-K")
+    reduce = dict(fn=int4_splitk_reduce_kernel, signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16",
+                                                           "MN": "i32", "N": "i32", "splits": "i32"},
+                  divisible=("MN", "N"), num_warps=REDUCE_WARPS * 32 // warp, num_stages=1,
+                  constexprs={"HAS_BIAS": False, "BLOCK": REDUCE_BLOCK}, label="split-K reduce")
+    return [prefill, decode16, gemv, reduce]

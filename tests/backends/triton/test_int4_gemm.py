@@ -73,6 +73,15 @@ def test_k_not_a_multiple_of_the_group(m):
     check(m, 40, 72, 32, torch.float32, symmetric=False, bias=True)  # 3 groups, the last 8/32 full
 
 
+@pytest.mark.parametrize("m", [1, 20])
+@pytest.mark.parametrize("k,group", [(71, 32), (48, 16), (96, 48)])
+def test_odd_k_and_groups_that_take_the_masked_fallback(m, k, group):
+    # K = 71: odd, the common (unmasked-weight) path with x masked past K; groups 16 and 48
+    # do not divide BLOCK_K = 32, so steps span groups: the masked per-byte fallback.
+    check(m, 24, k, group, torch.float32, symmetric=False, bias=True)
+    check(m, 24, k, group, torch.float16, symmetric=True)
+
+
 @pytest.mark.parametrize("split_k", [2, 3])
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_k_decode(split_k, bias):
@@ -96,6 +105,41 @@ def test_prune_keeps_block_k_dividing_the_group():
     for group in (32, 64, 128):
         kept = int4_gemm.prune_configs(configs, {"GROUP": group})
         assert kept and all(group % c.kwargs["BLOCK_K"] == 0 for c in kept)
+    # No BLOCK_K divides 16: the smallest BLOCK_K (the masked fallback) is kept.
+    assert {c.kwargs["BLOCK_K"] for c in int4_gemm.prune_configs(configs, {"GROUP": 16})} == {32}
+
+
+@pytest.mark.parametrize("hip,warp", [(False, 32), (True, 64)])
+def test_gemv_tiles_give_each_lane_a_128_bit_load(hip, warp):
+    # One token: every decode tile hands each lane of a 32-wide warp / 64-wide wavefront
+    # at least 16 bytes of packed weight per step, so its codes can be one vector load.
+    for c in int4_gemm.decode_gpu_configs(hip):
+        bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert int4_gemm.gemv_bytes_per_thread(bn, bk, c.num_warps, warp) >= 16, c
+    # Past one token the FMA product must stay in registers: wide tiles are pruned away.
+    for block_m in (1, 2, 4, 8):
+        kept = int4_gemm.prune_configs(int4_gemm.decode_gpu_configs(hip), {"GROUP": 128, "BLOCK_M": block_m},
+                                       warp=warp)
+        assert kept
+        if len(kept) > 1:
+            assert all(block_m * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] // (c.num_warps * warp)
+                       <= int4_gemm.FMA_PRODUCTS_PER_THREAD for c in kept)
+
+
+def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
+    # The reduction is the second kernel: no torch reduction may touch the partials.
+    packed, scales, zeros = weight(40, 128, 32, True)
+    x, b = randn(1, 128, dtype=torch.float16), randn(40, dtype=torch.float16)
+    want = ref_op(x, packed, scales, zeros, 32, b)
+
+    def no_torch_reduction(*args, **kwargs):
+        raise AssertionError("split-K partials reduced in torch")
+
+    for name in ("sum", "add_", "copy_"):
+        monkeypatch.setattr(torch.Tensor, name, no_torch_reduction)
+    got = int4_gemm.int4_linear(x, packed, scales, zeros, 32, b, out=poisoned((1, 40), torch.float16), split_k=4)
+    monkeypatch.undo()
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
 
 
 _BUILD = r"""
@@ -105,8 +149,7 @@ registry.KERNELS["int4_gemm"] = registry.KernelEntry("int4_gemm", "graphopt.int4
 results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for arch in sys.argv[2:]]
 print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
                        functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
-                                       async_copies=open(f.artifacts["ptx"]).read().count("cp.async")
-                                       if "ptx" in f.artifacts else None)
+                                       bits=f.global_load_bits, async_copies=f.async_copies)
                                   for f in r.functions]) for r in results]))
 """
 
@@ -141,6 +184,11 @@ def test_builds_ahead_of_time(builds, arch):
     for f in r["functions"]:
         assert f["registers"] and f["spills"] == 0, f"{f['label'] or 'spec'} on {arch} spills {f['spills']} bytes"
         assert f["shared"] <= aot.MAX_SHARED[arch], f
+    # The representative builds (GEMV, MMA paths, reduction) load in 128-bit vectors on every
+    # arch: the weight bytes carry no per-k mask on the group-aligned path.
+    specs = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16", "decode M=1 split-K",
+                                                            "split-K reduce")]
+    assert len(specs) == 4 and all(f["bits"] >= 128 for f in specs), specs
     if not hip:  # the MMA paths' weight and x loads are software-pipelined: cp.async stages in flight
-        mma = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16")]
-        assert len(mma) == 2 and all(f["async_copies"] > 0 for f in mma), mma
+        mma = [f for f in specs if f["label"] in ("prefill 128x128x32", "decode M=16")]
+        assert all(f["async_copies"] > 0 for f in mma), mma
