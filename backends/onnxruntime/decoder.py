@@ -1,20 +1,27 @@
 """The onnxruntime target's step runner for ``graphopt.generate``.
 
-``OrtRunner`` exports the prefill and decode-step models once (``generate.export_kv_cache``:
-graphopt's passes, GroupQueryAttention with past/present, dynamic batch and past axes), opens
-one session for each, and serves graphopt.generation's runner protocol: ``prefill`` starts
-the cache (the present tensors the prefill model returns), ``step`` feeds it back as the past.
+On the CPU provider ``OrtRunner`` exports one decoder (``inplace_cache.export_decoder``:
+graphopt's passes, GroupQueryAttention on a shared past/present buffer, dynamic batch and
+sequence axes) and opens one session for it, so the weights are in memory once. Its KV cache
+is one buffer per layer's key and value, [B, Hkv, capacity, D], bound through IOBinding as
+both the past input and the present output (``InPlaceSession``): attention writes each new
+row where it belongs and no step copies the cache. The buffer grows by doubling when a step
+would pass its capacity (``max_length``, when the caller knows it, sizes it once).
+
+Padding: a left-padded batch (``pads`` is True) is re-laid right-padded before the prompt
+pass: row i's tokens at cache rows 0 .. len_i - 1, its rotary positions from 0, its logits
+read at len_i - 1, and GroupQueryAttention's per-row ``seqlens_k`` bounding each row's
+attention in the prompt pass and every step. So the batch decodes as one, in prefill and
+decode, and each row equals its prompt alone.
+
+Where the in-place decoder does not apply (another provider; a transformers model whose
+mask carries more than causality, e.g. a sliding window: ``hf_steps.mask_kept``) the runner
+exports the prefill and decode-step models of ``generate.export_kv_cache`` instead: two
+sessions, the past fed back as numpy each step, no padding (graphopt.generate decodes a
+padded batch as groups of one prompt length).
+
 The decode loop, sampling, stopping and timing are graphopt.generation's; export time is
 reported as compile time, never as decode time.
-
-Two kinds of model decode here (``generate.cache_steps``): graphopt's built-in Llama with its
-explicit cache and transformers causal LMs with their DynamicCache; anything else gets one
-error line that names what works.
-
-Padding: the exported models take no attention mask (hf_steps says why: an unmasked causal
-attention is what lowers to GroupQueryAttention), so ``pads`` is False and graphopt.generate
-decodes a left-padded batch as groups of one prompt length, each an unpadded batch on the
-same two sessions (their batch axis is dynamic: no second export).
 """
 
 from __future__ import annotations
@@ -24,9 +31,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from graphopt.config import Options
+from graphopt.errors import GraphoptError
+
+_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
 
 
 def _export_prompt(input_ids: Tensor) -> Tensor:
@@ -35,38 +46,150 @@ def _export_prompt(input_ids: Tensor) -> Tensor:
     return ids if ids.shape[1] > 1 else ids.repeat(1, 2)
 
 
+def in_place_problem(model: nn.Module | None, provider: str) -> str | None:
+    """Why ``model`` cannot decode on the in-place decoder here; None when it can."""
+    from graphopt.backends.onnxruntime.hf_steps import mask_kept
+    from graphopt.generation.runner import is_causal_lm
+
+    if provider != "cpu":
+        return f"the shared past/present buffer is bound on the CPU provider only, not {provider}"
+    if model is not None and is_causal_lm(model):
+        return mask_kept(model)
+    return None
+
+
+class InPlaceSession:
+    """The in-place decoder's session, its KV buffers bound as past input and present output."""
+
+    def __init__(self, session) -> None:
+        self.session = session
+        inputs = {i.name: i for i in session.get_inputs()}
+        self.cache_names = [name for name in inputs if name.startswith("past_")]
+        self.heads = [(inputs[n].shape[1], inputs[n].shape[3]) for n in self.cache_names]
+        self.dtype = _ORT_DTYPES[inputs[self.cache_names[0]].type]
+        vocab = session.get_outputs()[0].shape[-1]
+        self.vocab = vocab if isinstance(vocab, int) else None
+        self.cache: list[Tensor] = []
+        self.binding = None
+
+    @property
+    def capacity(self) -> int:
+        return self.cache[0].shape[2] if self.cache else 0
+
+    def reserve(self, batch: int, capacity: int, keep: int = 0) -> None:
+        """Fresh buffers of ``capacity`` rows; the first ``keep`` rows of the old ones copied over."""
+        old = self.cache
+        self.cache = [torch.zeros(batch, h, capacity, d, dtype=self.dtype) for h, d in self.heads]
+        for new, previous in zip(self.cache, old if keep else []):
+            new[:, :, :keep] = previous[:, :, :keep]
+        self._bind()
+
+    def _bind(self) -> None:
+        import onnxruntime
+
+        self.binding = self.session.io_binding()
+        self._values = [onnxruntime.OrtValue.ortvalue_from_numpy(t.numpy()) for t in self.cache]  # views, no copy
+        for name, value in zip(self.cache_names, self._values):
+            self.binding.bind_ortvalue_input(name, value)
+            self.binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), value)
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, last: Tensor, seqlens_k: Tensor,
+                 total: int) -> Tensor:
+        import onnxruntime
+
+        feeds = {"input_ids": input_ids.long().contiguous().numpy(), "position_ids": position_ids.contiguous().numpy(),
+                 "last": last.contiguous().numpy(), "seqlens_k": seqlens_k.to(torch.int32).contiguous().numpy(),
+                 "total_sequence_length": torch.tensor(total, dtype=torch.int32).numpy()}
+        for name, array in feeds.items():
+            self.binding.bind_cpu_input(name, array)
+        if self.vocab is not None:
+            logits = torch.empty(input_ids.shape[0], self.vocab, dtype=self.dtype)
+            self.binding.bind_ortvalue_output("logits", onnxruntime.OrtValue.ortvalue_from_numpy(logits.numpy()))
+            self.session.run_with_iobinding(self.binding)
+            return logits
+        self.binding.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(self.binding)
+        return torch.from_numpy(self.binding.get_outputs()[0].numpy())
+
+
+def right_padded(input_ids: Tensor, lengths: Tensor) -> Tensor:
+    """Each row of a left-padded batch moved to the front (its padding rotated to the end)."""
+    width = input_ids.shape[1]
+    index = (torch.arange(width, device=input_ids.device) + (width - lengths)[:, None]) % width
+    return input_ids.gather(1, index)
+
+
 class OrtRunner:
-    """Prefill and decode-step ONNX models run in ORT sessions (graphopt.generation's StepRunner)."""
+    """ONNX Runtime sessions as graphopt.generation's StepRunner (see the module docstring)."""
 
     target = "onnxruntime"
-    pads = False
     cuda_graphs = ""
 
-    def __init__(self, model: nn.Module | None, config: Options | None = None) -> None:
+    def __init__(self, model: nn.Module | None, config: Options | None = None, max_length: int | None = None) -> None:
         from graphopt.backends.onnxruntime.generate import cache_steps
 
         if model is not None:
             cache_steps(model, otherwise="use --target eager")  # raises for a model without a cache to export
         self.model, self.config = model, config or Options.parse(None)
+        self.max_length = max_length
+        self.in_place_problem = in_place_problem(model, self.config.provider)
+        self.pads = self.in_place_problem is None
         self.compiles = self.prefill_compiles = 0
         self.compile_s, self.reports, self.notes = 0.0, [], []
         self.export_result = None
+        self.decoder: InPlaceSession | None = None
         self.prefill_run = self.decode_run = None
         self.past: list[Tensor] = []
+        self.lengths: Tensor | None = None
 
     @classmethod
     def from_models(cls, prefill: Any, decode: Any, provider: str = "cpu") -> "OrtRunner":
-        """A runner on models exported already (paths, bytes, OnnxModels or SessionRunners)."""
+        """A runner on a prefill and a decode model exported already (paths, bytes, OnnxModels or
+        SessionRunners): ``generate.export_kv_cache``'s pair."""
         runner = cls(None, Options.parse({"provider": provider}))
+        runner.pads = False
         runner.prefill_run, runner.decode_run = _session(prefill, provider), _session(decode, provider)
         return runner
 
-    def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
-        from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache
+    @classmethod
+    def from_decoder(cls, decoder: Any, max_length: int | None = None) -> "OrtRunner":
+        """A runner on an in-place decoder exported already (a path, bytes or an OnnxModel)."""
+        from graphopt.backends.onnxruntime.session import create_session
 
-        if self.prefill_run is not None:
+        runner = cls(None, Options.parse(None), max_length)
+        runner.decoder = InPlaceSession(create_session(decoder, "cpu", arena=False))
+        return runner
+
+    def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
+        if self.decoder is not None or self.prefill_run is not None:
             return  # exported once: every batch and prompt length runs on the same sessions
         start = time.perf_counter()
+        if self.pads:
+            self._export_decoder(input_ids)
+        else:
+            self._export_pair(input_ids)
+        self.compile_s = time.perf_counter() - start
+        self.compiles = self.prefill_compiles = 1  # one model serves every step (dynamic axes)
+        self.notes += [f"export: {f['where']}: {f['reason']}" for f in self.export_result.fallbacks]
+
+    def _export_decoder(self, input_ids: Tensor) -> None:
+        from graphopt.backends.onnxruntime import tool
+        from graphopt.backends.onnxruntime.inplace_cache import export_decoder
+        from graphopt.backends.onnxruntime.session import create_session
+
+        config = tool.pipeline_options(self.config, self.config.int4)
+        timer = tool.Timer(None)
+        model, result = export_decoder(self.model, _export_prompt(input_ids), config, timer)
+        with timer("session"):
+            # No arena: the cache lives in torch's buffers, and an arena would keep the largest
+            # prompt's activations for the session's life.
+            self.decoder = InPlaceSession(create_session(model, "cpu", arena=False))
+        self.export_result = tool.ExportResult([], timer.seconds, [r.to_dict() for r in result.records],
+                                               result.fallbacks)
+
+    def _export_pair(self, input_ids: Tensor) -> None:
+        from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache
+
         with tempfile.TemporaryDirectory(prefix="graphopt-generate-") as folder:
             path = Path(folder) / "model.onnx"
             self.export_result = export_kv_cache(self.model, _export_prompt(input_ids), path, config=self.config,
@@ -74,20 +197,42 @@ class OrtRunner:
             # Sessions read the files while they are created; the folder can go afterwards.
             self.prefill_run = _session(str(path), self.config.provider)
             self.decode_run = _session(str(decode_path(path)), self.config.provider)
-        self.compile_s = time.perf_counter() - start
-        self.compiles = self.prefill_compiles = 1  # one decode model serves every step (dynamic past axis)
-        self.notes += [f"export: {f['where']}: {f['reason']}" for f in self.export_result.fallbacks]
+        self.notes.append(f"prefill and decode run as two models: {self.in_place_problem}")
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
-        logits, *self.past = self.prefill_run(input_ids)
-        return logits[:, -1]
+        if self.decoder is None:
+            if attention_mask is not None:
+                raise GraphoptError("this ONNX Runtime decoder takes no attention mask; pass prompts of one length")
+            logits, *self.past = self.prefill_run(input_ids)
+            return logits[:, -1]
+        batch, width = input_ids.shape
+        full = torch.full((batch,), width, dtype=torch.long)
+        lengths = full if attention_mask is None else attention_mask.long().sum(-1).cpu()
+        ids = input_ids.cpu() if attention_mask is None else right_padded(input_ids.cpu(), lengths)
+        capacity = self.max_length or _round_up(width + 128, 64)
+        self.decoder.reserve(batch, max(capacity, width))
+        logits = self.decoder(ids, torch.arange(width).repeat(batch, 1), lengths - 1, lengths - 1, width)
+        self.lengths = lengths
+        return logits.to(input_ids.device)
 
     def prepare_step(self, token: Tensor, position: int) -> None:
         pass
 
     def step(self, token: Tensor, position: int) -> Tensor:
-        logits, *self.past = self.decode_run(token, *self.past)
-        return logits[:, -1]
+        if self.decoder is None:
+            logits, *self.past = self.decode_run(token, *self.past)
+            return logits[:, -1]
+        lengths = self.lengths
+        total = int(lengths.max()) + 1
+        if total > self.decoder.capacity:  # amortized: the buffer doubles, one copy per doubling
+            self.decoder.reserve(token.shape[0], max(2 * self.decoder.capacity, total), keep=total - 1)
+        logits = self.decoder(token.cpu(), lengths[:, None], torch.zeros_like(lengths), lengths, total)
+        self.lengths = lengths + 1
+        return logits.to(token.device)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _session(model: Any, provider: str):

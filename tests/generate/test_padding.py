@@ -1,6 +1,7 @@
 """Left-padded batches: prompts of different lengths in one call, each row's greedy tokens equal
 to that prompt decoded alone, on the eager runner (a real attention mask), the compiled eager
-target and onnxruntime (groups of one prompt length: their steps take no mask)."""
+target (groups of one prompt length: its step takes no mask) and onnxruntime (one batch: the
+rows re-laid right-padded, GroupQueryAttention bounded by each row's length)."""
 
 import importlib.util
 
@@ -56,8 +57,13 @@ def test_model_generate_agrees_on_the_padded_batch(hf_model):
     assert torch.equal(out.sequences, expected)  # EOS rows padded with pad_token_id, as model.generate does
 
 
-@pytest.mark.parametrize("target", ["eager", pytest.param("onnxruntime", marks=pytest.mark.skipif(
-    not importlib.util.find_spec("onnxruntime"), reason="onnxruntime is not installed"))])
+needs_ort = pytest.mark.skipif(not importlib.util.find_spec("onnxruntime"), reason="onnxruntime is not installed")
+# Where each target decodes a padded batch: in groups of one prompt length, or in one batch.
+GROUPED = {"eager": ["the padded batch of 3 decoded as 3 groups of one prompt length: the eager step takes no "
+                     "attention mask"], "onnxruntime": []}
+
+
+@pytest.mark.parametrize("target", ["eager", pytest.param("onnxruntime", marks=needs_ort)])
 def test_every_row_equals_its_prompt_alone(hf_model, alone, target):
     ids, mask = left_padded(PROMPTS)
     out = graphopt.generate(hf_model, ids, NEW, attention_mask=mask, stop=STOP,
@@ -65,9 +71,23 @@ def test_every_row_equals_its_prompt_alone(hf_model, alone, target):
     assert out.target == target and out.fallback is None
     assert [out.token_ids(i) for i in range(3)] == alone
     assert torch.equal(out.sequences[:, :ids.shape[1]], ids)
-    assert out.notes == [f"the padded batch of 3 decoded as 3 groups of one prompt length: the {target} step "
-                         "takes no attention mask"]
+    assert out.notes == GROUPED[target]
     assert 0 < len(out.ms_per_token) <= NEW - 1
+
+
+@needs_ort
+def test_onnxruntime_decodes_the_built_in_llama_padded_in_one_batch():
+    """graphopt's own Llama takes no mask eagerly, yet ORT's per-row lengths decode it padded."""
+    model = models.build("llama-tiny", seed=0)
+    prompts = [[5, 9, 11, 4, 7, 20, 3], [8, 12], [6, 10, 14, 15]]
+    ids, mask = left_padded(prompts, pad=0)
+    out = graphopt.generate(model, ids, NEW, attention_mask=mask, options={"target": "onnxruntime",
+                                                                           "fallback": "error"})
+    assert out.target == "onnxruntime" and out.notes == []
+    assert [out.token_ids(i) for i in range(3)] == [eager_generate(model, torch.tensor([p]), NEW).token_ids(0)
+                                                    for p in prompts]
+    # the padding matters: a short row read with its padding as tokens decodes otherwise
+    assert eager_generate(model, ids[1:2], NEW).token_ids(0) != out.token_ids(1)
 
 
 def test_a_model_without_a_mask_decodes_padded_rows_in_groups():
