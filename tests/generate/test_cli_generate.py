@@ -86,12 +86,13 @@ def test_generate_on_onnxruntime_refuses_a_model_without_an_explicit_cache():
 
 def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
     from graphopt import models
-    from graphopt.backends.onnxruntime import generate as ort_files
+    from graphopt.backends.onnxruntime import generate as ort_files, inplace_cache
 
     def broken(*args, **kwargs):
         raise RuntimeError("exporter exploded")
 
-    monkeypatch.setattr(ort_files, "export_kv_cache", broken)
+    monkeypatch.setattr(ort_files, "export_kv_cache", broken)  # the prefill/decode pair
+    monkeypatch.setattr(inplace_cache, "export_decoder", broken)  # the in-place decoder
     model = models.build("llama-tiny").eval()
     ids = models.example_inputs("llama-tiny", batch=1, seq_len=4, seed=0)[0]
     out, ref = generate_with_reference(model, ids, 3, options={"target": "onnxruntime"})
