@@ -60,6 +60,10 @@ OP_CASES = {
                  (_r(2, 5, 24), _r(32, 24), _r(32))),
     "kv_cache_update": ("graphopt.kv_cache_update", _kv_cache_update,
                         (_r(1, 2, 9, 16), _r(1, 2, 3, 16), torch.tensor(4))),
+    "cache_attention": ("graphopt.cache_attention", lambda q, k, v, n: g.cache_attention(q, k, v, n),
+                        (_r(2, 4, 1, 16), _r(2, 2, 9, 16), _r(2, 2, 9, 16), torch.tensor([5, 9]))),
     "int4_linear": ("graphopt.int4_linear", lambda x, packed, scales: g.int4_linear(x, packed, scales, None, 32),
                     (_r(3, 64), *int4_weight(24, 64))),
+    "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
+            (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3, _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),
 }

@@ -1,0 +1,86 @@
+"""Mixture of experts: router, top-k, SwiGLU experts and their weighted sum as one op.
+
+``graphopt.moe(x, router_weight, gate_up, down, k, normalize, shared_gate_up, shared_down,
+shared_gate)`` for ``x`` of shape [tokens, hidden]:
+
+- ``probs = softmax(x @ router_weight^T)`` over the experts, in float32;
+- ``weights, experts = topk(probs, k)``; with ``normalize`` the k weights are divided by
+  their sum (Mixtral), without it they stay as softmax gave them (Qwen2-MoE);
+- each token goes through its k experts, ``down[e] @ (silu(g) * u)`` with
+  ``[g; u] = gate_up[e] @ x`` (``gate_up`` is [experts, 2 * inter, hidden], the gate rows
+  first; ``down`` is [experts, hidden, inter]: nn.Linear's [out, in] per expert), and the
+  outputs are summed with the routing weights;
+- a shared expert, when given (Qwen2-MoE), is one more SwiGLU MLP every token goes
+  through, scaled by ``sigmoid(x @ shared_gate^T)`` when it has its own gate.
+
+Why one op: the routed part is a tangle of sort, gather, grouped GEMMs and scatter that no
+target lowers piece by piece (transformers' grouped GEMM is an opaque custom op); as one op
+ONNX Runtime runs it as its ``MoE`` kernel and Triton as one sorted grouped GEMM.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from graphopt.ops._library import register
+
+
+def route(x: Tensor, router_weight: Tensor, k: int, normalize: bool) -> tuple[Tensor, Tensor]:
+    """``(weights [T, k] float32, experts [T, k] int64)``: the router's choice per token."""
+    probs = torch.softmax((x @ router_weight.t()).float(), dim=-1)
+    weights, experts = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def _swiglu_mlp(x: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    gate, up = (x @ gate_up.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ down.t()
+
+
+def _check(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int) -> None:
+    experts, hidden = router_weight.shape
+    if x.dim() != 2 or x.shape[-1] != hidden:
+        raise ValueError(f"moe: x must be [tokens, {hidden}], got {tuple(x.shape)}")
+    if gate_up.dim() != 3 or gate_up.shape[0] != experts or gate_up.shape[2] != hidden or gate_up.shape[1] % 2:
+        raise ValueError(f"moe: gate_up must be [{experts}, 2 * inter, {hidden}], got {tuple(gate_up.shape)}")
+    if tuple(down.shape) != (experts, hidden, gate_up.shape[1] // 2):
+        raise ValueError(f"moe: down must be [{experts}, {hidden}, {gate_up.shape[1] // 2}], got {tuple(down.shape)}")
+    if not 1 <= k <= experts:
+        raise ValueError(f"moe: k={k} must be between 1 and the number of experts ({experts})")
+
+
+@torch.library.custom_op("graphopt::moe", mutates_args=())
+def moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool,
+        shared_gate_up: Tensor | None = None, shared_down: Tensor | None = None,
+        shared_gate: Tensor | None = None) -> Tensor:
+    """Routed SwiGLU experts (plus an optional shared expert) for ``x`` [tokens, hidden]."""
+    _check(x, router_weight, gate_up, down, k)
+    weights, experts = route(x, router_weight, k, normalize)
+    # Dense on purpose: every expert runs on every token and the routing weights (zero off
+    # the top k) pick the sum. No data-dependent shapes, so the reference traces with fake
+    # tensors and is what a target without an MoE kernel runs (graphopt.decompose).
+    mix = torch.zeros(weights.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
+    mix = mix.scatter(1, experts, weights)  # [tokens, experts]
+    gate, up = (x @ gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [experts, tokens, inter] each
+    y = (F.silu(gate) * up) @ down.transpose(1, 2)  # [experts, tokens, hidden]
+    out = (y * mix.t().unsqueeze(-1)).sum(dim=0)
+    out = out.to(x.dtype)
+    if shared_gate_up is not None:
+        shared = _swiglu_mlp(x, shared_gate_up, shared_down)
+        if shared_gate is not None:
+            shared = torch.sigmoid(x @ shared_gate.t()) * shared
+        out = out + shared
+    return out
+
+
+@moe.register_fake
+def _(x, router_weight, gate_up, down, k, normalize, shared_gate_up=None, shared_down=None, shared_gate=None):
+    _check(x, router_weight, gate_up, down, k)
+    return x.new_empty(x.shape)
+
+
+register("moe")
