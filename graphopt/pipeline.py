@@ -20,6 +20,7 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "fuse_softmax_rms_norm",  # likewise
     "fuse_layer_norm",  # after fuse_rms_norm: it also folds rms_norm(x - mean(x)) back into LayerNorm
     "fuse_gated_mlp",  # before fuse_bias_gelu, which would turn GeGLU's gelu into bias_gelu
+    "fuse_moe",  # after fuse_gated_mlp: reads the experts' activation as graphopt.swiglu
     "fuse_bias_gelu",
     "merge_qkv",
     "fuse_rope",

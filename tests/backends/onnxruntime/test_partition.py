@@ -170,7 +170,10 @@ def test_mixture_of_experts_runs_on_ort_with_only_the_expert_dispatch_off_it(fam
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
     graphopt.reset()
-    compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime", "fallback": "error"})
+    # fuse_moe off: this test is about a foreign custom op on the partitioner (fused, the
+    # block runs wholly on ORT: tests/backends/onnxruntime/test_moe.py).
+    compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime", "fallback": "error",
+                                                                 "disable_passes": ["fuse_moe"]})
     with torch.no_grad():
         out = compiled(ids)
     assert_matches_eager(out, eager(model, ids), rel=1e-4)

@@ -1,0 +1,275 @@
+"""Mixture of experts: ``softmax(x @ Wr^T) -> topk -> (w / sum w) -> sort tokens by expert
+-> grouped GEMM, swiglu, grouped GEMM -> * w -> unsort -> sum over k (+ sigmoid(x @ Wsg^T) *
+shared MLP)  ->  graphopt.moe(x, Wr, gate_up, down, k, normalize, shared...)``.
+
+Why: the routed block is a sort, gathers, a histogram, two grouped GEMMs behind an opaque
+custom op (transformers' ``grouped_mm_fallback``) and a scatter. No target lowers that op,
+so on ONNX Runtime it cut the graph and ran eagerly; as one op it becomes ORT's ``MoE``
+kernel or one Triton kernel over tokens sorted by expert.
+
+Spelling matched: ``moe_via_grouped_mm``, transformers' ``grouped_mm`` experts
+implementation (Mixtral, Qwen2-MoE, Qwen3-MoE, the default under torch.compile) as
+aot_autograd writes it: ``sort(topk_index.view(-1))`` gives ``perm``; tokens are gathered
+with ``x[perm // k]``, weights with ``w.view(-1)[perm]``; the expert GEMMs are
+``transformers.grouped_mm_fallback`` or ``aten._grouped_mm`` against ``transpose(W, -2, -1)``
+with offsets ``cumsum(histc(sorted ids))``; the activation is already ``graphopt.swiglu``
+(fuse_gated_mlp runs first); the result is unsorted with ``inv_perm`` (``index_put`` of an
+``arange``) and summed over k. A shared expert beside the routed ones (Qwen2-MoE) joins
+when the sum's one user adds ``[sigmoid(x @ Wsg^T) *] down(swiglu(gate_up(x)))``.
+Routing weights renormalised by their sum (Mixtral) set ``normalize``.
+
+Preconditions: router, gathers and shared expert read the same [tokens, hidden] input
+(through views); every weight is a frozen constant; both grouped GEMMs use the same offsets
+from the same sort; the sum's input has no other reader. Transformers' loop over experts
+with ``index_add_`` (its ``eager`` experts implementation) does not reach a pass whole: the
+loop's trip count depends on data, so dynamo breaks the graph there.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir
+from graphopt.linears import Linear, expect_constant_params, linear_producing
+from graphopt.rewrite import (
+    DIV_OPS, MUL_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect, expect_op, is_cast,
+    is_op, strip_casts, val,
+)
+
+aten = torch.ops.aten
+graphopt = torch.ops.graphopt
+
+
+def _grouped_mm_targets() -> tuple:
+    """The grouped GEMM overloads a captured graph may hold: aten's (bf16 on GPUs) and
+    transformers' fallback custom op (every other dtype), when transformers is loaded."""
+    targets = [aten._grouped_mm.default]
+    try:
+        targets.append(torch.ops.transformers.grouped_mm_fallback.default)
+    except (AttributeError, RuntimeError):  # transformers not imported: no graph can hold its op
+        pass
+    return tuple(targets)
+
+
+def _through_views(node):
+    while is_op(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
+
+
+def _getitem(node, index: int, producer_targets: tuple, what: str) -> fx.Node:
+    """``node`` is output ``index`` of a call to one of ``producer_targets``; returns that call."""
+    expect(is_op(node, operator.getitem) and node.args[1] == index, f"{what} is not output {index} of a call", node)
+    return expect_op(node.args[0], producer_targets, what)
+
+
+@dataclass
+class Routing:
+    topk: fx.Node
+    router: Linear
+    k: int
+    normalize: bool
+
+
+@dataclass
+class SharedExpert:
+    total: fx.Node  # the add of routed and shared outputs: what the fused op replaces
+    gate_up: Linear
+    down: Linear
+    gate: Linear | None
+
+
+@dataclass
+class MoeMatch:
+    out: fx.Node  # the value graphopt.moe replaces
+    x: fx.Node  # [tokens, hidden]
+    routing: Routing
+    gate_up: tuple[fx.Node, bool]  # frozen weight, and whether it is stored [E, in, out]
+    down: tuple[fx.Node, bool]
+    shared: SharedExpert | None = None
+    left_out: list = field(default_factory=list)
+
+
+def _routing(weights: fx.Node, ids: fx.Node) -> Routing:
+    """topk(softmax(x @ Wr^T), k): ``weights`` the (maybe renormalised) values, ``ids`` the indices."""
+    topk = _getitem(ids, 1, (aten.topk.default,), "expert ids")
+    weights = strip_casts(weights)
+    normalize = is_op(weights, *DIV_OPS)
+    if normalize:  # w / w.sum(-1, keepdim=True)
+        values, total = weights.args[:2]
+        expect(is_op(total, aten.sum.dim_IntList) and total.args[0] is values and list(total.args[1]) in ([-1], [1])
+               and (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)),
+               "routing weights are divided by something other than their sum over k", total)
+        weights = values
+    expect(is_op(weights, operator.getitem) and weights.args[0] is topk and weights.args[1] == 0,
+           "routing weights are not the top-k values of the same topk as the expert ids", weights)
+    args = call_args(topk)
+    expect(args["dim"] in (-1, 1) and args["largest"], "topk is not the largest k over the expert axis", topk)
+    probs = strip_casts(args["self"])
+    expect_op(probs, SOFTMAX_OPS, "router probabilities")
+    expect(probs.args[1] in (-1, 1), "router softmax is not over the expert axis", probs)
+    logits = strip_casts(probs.args[0])
+    router = linear_producing(logits, "router")
+    expect_constant_params(router, "router")
+    expect(router.bias is None, "router has a bias (graphopt.moe has none)", router.bias)
+    return Routing(topk, router, int(args["k"]), normalize)
+
+
+def _expert_weights(weight_t: fx.Node, what: str) -> tuple[fx.Node, bool]:
+    """The frozen per-expert weight a grouped GEMM multiplies by [E, in, out], and whether
+    it is stored that way (True) or as nn.Linear's [E, out, in] read through a transpose."""
+    stored_transposed = not (is_op(weight_t, aten.transpose.int)
+                             and sorted(d % 3 for d in weight_t.args[1:3]) == [1, 2])
+    weight = weight_t if stored_transposed else weight_t.args[0]
+    expect(ir.get_constant(weight) is not None, f"{what} weights are not a constant (freeze_weights=False?)", weight)
+    return weight, stored_transposed
+
+
+def _grouped_mm(node, what: str) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """(input, weight [E, in, out], offsets) of a grouped GEMM without bias."""
+    expect_op(node, _grouped_mm_targets(), what)
+    args = call_args(node)
+    expect(args.get("bias") is None, f"{what} has a bias", node)
+    weight = args.get("weight", args.get("mat2"))
+    return args["input"] if "input" in args else args["self"], weight, args["offs"]
+
+
+def moe_via_grouped_mm(combine: fx.Node) -> MoeMatch:
+    """Match from ``sum(view(unsorted, [T, k, H]), [1])`` back to the router."""
+    grouped = expect_op(combine.args[0], VIEW_OPS, "top-k sum input")
+    expect(len(grouped.users) == 1, "the [tokens, k, hidden] outputs have other readers", grouped)
+    unsorted = expect_op(grouped.args[0], (aten.index.Tensor,), "expert outputs in token order")
+    weighted, (inv_perm,) = unsorted.args[0], unsorted.args[1]
+    expect_op(inv_perm, (aten.index_put.default,), "inverse permutation")
+    perm_node = inv_perm.args[1][0]
+    expect(is_op(inv_perm.args[2], aten.arange.default, aten.arange.start),
+           "inverse permutation does not scatter an arange", inv_perm)
+    expect_op(strip_casts(weighted), MUL_OPS, "weighted expert outputs")
+    weighted = strip_casts(weighted)
+
+    def is_weight(v):
+        return is_op(v, aten.unsqueeze.default) and is_op(v.args[0], aten.index.Tensor)
+
+    scale, expert_out = commuted(weighted, is_weight, "routing weights gathered in expert order")
+    sorted_w = scale.args[0]
+    expect(sorted_w.args[1][0] is perm_node, "routing weights are not gathered with the sort's permutation", sorted_w)
+    act, down_t, offsets = _grouped_mm(strip_casts(expert_out), "down projection")
+    expect_op(act, (graphopt.swiglu.default,), "expert activation")
+    hidden_up, gate_up_t, offsets_up = _grouped_mm(act.args[0], "gate/up projection")
+    expect(offsets_up is offsets, "the two grouped GEMMs use different offsets", offsets_up)
+
+    sort = _getitem(perm_node, 1, (aten.sort.default, aten.sort.stable), "token permutation")
+    ids = _through_views(sort.args[0])
+    routing = _routing(_through_views(sorted_w.args[0]), ids)
+    k = routing.k
+    _check_offsets(offsets, sort, val(routing.router.weight).shape[0])
+
+    gathered = expect_op(hidden_up, (aten.index.Tensor,), "tokens gathered in expert order")
+    token_of = gathered.args[1][0]
+    expect(is_op(token_of, aten.floor_divide.default, aten.div.Tensor_mode) and token_of.args[0] is perm_node
+           and token_of.args[1] == k, f"tokens are not gathered with perm // {k}", token_of)
+    x = gathered.args[0]
+    expect(_through_views(x) is _through_views(routing.router.x2d) and val(x).dim() == 2,
+           "router and experts read different inputs", x)
+    gate_up, down = _expert_weights(gate_up_t, "gate/up"), _expert_weights(down_t, "down")
+    return MoeMatch(combine, x, routing, gate_up, down)
+
+
+def _check_offsets(offsets, sort, experts: int) -> None:
+    """offsets = cumsum(histc(sorted ids, bins=E, min=0, max=E-1))."""
+    expect_op(offsets, (aten.cumsum.default,), "grouped GEMM offsets")
+    hist = expect_op(strip_casts(offsets.args[0]), (aten.histc.default,), "tokens per expert")
+    source = strip_casts(hist.args[0])
+    expect(is_op(source, operator.getitem) and source.args[0] is sort and source.args[1] == 0,
+           "tokens per expert are not counted from the sorted expert ids", hist)
+    args = call_args(hist)
+    expect((args["bins"], args["min"], args["max"]) == (experts, 0, experts - 1),
+           f"tokens per expert: histc bins {args['bins']} over [{args['min']}, {args['max']}], "
+           f"expected {experts} over [0, {experts - 1}]", hist)
+
+
+def shared_expert(total: fx.Node, routed: fx.Node, x: fx.Node) -> SharedExpert:
+    """``routed + [sigmoid(x @ Wsg^T) *] down(swiglu(x @ Wgu^T))``."""
+    other = total.args[1] if total.args[0] is routed else total.args[0]
+    gate = None
+    shared_out = other
+    if is_op(other, *MUL_OPS):
+        sig, shared_out = commuted(other, lambda v: is_op(v, aten.sigmoid.default), "a sigmoid gate")
+        gate = linear_producing(sig.args[0], "shared expert gate")
+        expect(gate.width == 1, f"shared expert gate has {gate.width} outputs, expected 1", gate.gemm)
+        expect(gate.bias is None, "shared expert gate has a bias (graphopt.moe has none)", gate.bias)
+        expect_constant_params(gate, "shared expert gate")
+    down = linear_producing(shared_out, "shared expert down projection")
+    act = expect_op(down.x2d, (graphopt.swiglu.default,), "shared expert activation")
+    gate_up = linear_producing(act.args[0], "shared expert gate/up projection")
+    for lin, what in ((down, "down"), (gate_up, "gate/up")):
+        expect_constant_params(lin, f"shared expert {what} projection")
+        expect(lin.bias is None, f"shared expert {what} projection has a bias", lin.bias)
+    for lin in (gate_up, gate) if gate else (gate_up,):
+        expect(_through_views(lin.x2d) is _through_views(x), "shared expert reads another input", lin.x2d)
+    return SharedExpert(total, gate_up, down, gate)
+
+
+class FuseMoe(PatternPass):
+    name = "fuse_moe"
+    summary = "router softmax/top-k, sorted grouped SwiGLU experts, weighted sum (+ shared expert) -> graphopt.moe"
+    requires = ("fuse_gated_mlp",)  # experts' and shared expert's activation is graphopt.swiglu by then
+    anchors = (aten.sum.dim_IntList,)
+
+    def screen(self, combine: fx.Node) -> str | None:
+        source = combine.args[0]
+        if not (is_op(source, *VIEW_OPS) and val(source) is not None and val(source).dim() == 3
+                and list(combine.args[1]) == [1]):
+            return "not a sum over the k axis of [tokens, k, hidden]"
+        if not any(is_op(strip_casts(n), *_grouped_mm_targets()) for n in _upstream(source, 4)):
+            return "no grouped GEMM in front of the sum"
+        return None
+
+    def match(self, combine: fx.Node, options) -> MoeMatch:
+        m = moe_via_grouped_mm(combine)
+        out = combine
+        while len(out.users) == 1 and is_cast(next(iter(out.users))):
+            out = next(iter(out.users))  # the cast back to x's dtype
+        if len(out.users) == 1 and is_op(next(iter(out.users)), aten.add.Tensor):
+            try:
+                m.shared = shared_expert(next(iter(out.users)), out, m.x)
+            except NoMatch as miss:  # the routed part still fuses; say why the add stayed outside
+                m.left_out.append((next(iter(out.users)).name, f"shared expert left outside: {miss.reason}"))
+        m.out = m.shared.total if m.shared else out
+        return m
+
+    def rewrite(self, gm: fx.GraphModule, m: MoeMatch, options) -> None:
+        graph = gm.graph
+        with graph.inserting_before(m.out):
+            gate_up, down = _nn_layout(gm, m.gate_up), _nn_layout(gm, m.down)
+            args = [m.x, m.routing.router.weight, gate_up, down, m.routing.k, m.routing.normalize]
+            if m.shared:
+                args += [m.shared.gate_up.weight, m.shared.down.weight, m.shared.gate.weight if m.shared.gate else None]
+            fused = graph.call_function(graphopt.moe.default, tuple(args))
+        m.out.replace_all_uses_with(fused)
+
+
+def _upstream(node: fx.Node, depth: int) -> list[fx.Node]:
+    """Nodes up to ``depth`` edges above ``node``."""
+    seen, frontier = [], [node]
+    for _ in range(depth):
+        frontier = [a for n in frontier for a in n.all_input_nodes]
+        seen += frontier
+    return seen
+
+
+def _nn_layout(gm: fx.GraphModule, weight_and_layout: tuple[fx.Node, bool]) -> fx.Node:
+    """The weight as [E, out, in]: itself, or a transposed frozen copy of an [E, in, out] one."""
+    weight, stored_transposed = weight_and_layout
+    if not stored_transposed:
+        return weight
+    tensor = ir.get_constant(weight).transpose(1, 2).contiguous()
+    with gm.graph.inserting_after(weight):
+        return ir.add_constant(gm, str(weight.target) + "_nn_layout", tensor)
+
+
+fuse_moe = FuseMoe()

@@ -1,0 +1,143 @@
+"""fuse_moe: transformers' MoE blocks (Mixtral, Qwen2-MoE with its shared expert) become one
+graphopt.moe; the near misses it must leave; numerics against eager (fp32, rel 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import assert_matches_eager, compile_with_graphopt, count, eager
+
+transformers = pytest.importorskip("transformers")
+
+PIPE = ["canonicalize", "fuse_gated_mlp", "fuse_moe"]
+HIDDEN = 32
+SMALL = dict(vocab_size=64, hidden_size=HIDDEN, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32)
+
+
+def moe_block(family: str, **config):
+    """The MoE block of a one-layer model: built through the model so its config carries the
+    experts implementation transformers chooses (grouped_mm), with seeded weights."""
+    torch.manual_seed(0)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **{**SMALL, **config})
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                          shared_expert_intermediate_size=40, **{**SMALL, **config})
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    block = model.model.layers[0].mlp.eval()
+    with torch.no_grad():  # init leaves the 3-D expert weights tiny; give every expert a real say
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block
+
+
+def x_in(tokens=7):
+    return torch.randn(2, tokens, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+
+def fused(block, x=None):
+    x = x_in() if x is None else x
+    out, report = compile_with_graphopt(block, x, passes=PIPE)
+    return out, report, eager(block, x)
+
+
+CASES = {
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe_shared_expert": ("qwen2_moe", {}),
+    "qwen2_moe_renormalised": ("qwen2_moe", {"norm_topk_prob": True}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fuses_the_block_into_one_moe_and_matches_eager(case):
+    family, config = CASES[case]
+    out, report, want = fused(moe_block(family, **config))
+    assert count(report, "graphopt.moe") == 1, report.op_counts
+    for gone in ("transformers.grouped_mm_fallback", "aten.topk", "aten.sort", "aten.histc", "aten.sigmoid",
+                 "graphopt.swiglu", "aten.mm"):
+        assert count(report, gone) == 0, (gone, report.op_counts)
+    assert next(p for p in report.passes if p.name == "fuse_moe").matches == 1
+    assert not [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+def test_fused_node_carries_k_normalize_and_the_shared_weights(monkeypatch):
+    import graphopt.compiler
+
+    graphs = []
+    lower = graphopt.compiler.lower
+    monkeypatch.setattr(graphopt.compiler, "lower", lambda gm, *a, **k: (graphs.append(gm), lower(gm, *a, **k))[1])
+    for family, normalize, n_args in (("mixtral", True, 6), ("qwen2_moe", False, 9)):
+        compile_with_graphopt(moe_block(family), x_in(), passes=PIPE)
+        (node,) = [n for n in graphs[-1].graph.nodes if n.target is torch.ops.graphopt.moe.default]
+        assert node.args[4:6] == (2, normalize) and len(node.args) == n_args
+        assert all(a.op == "get_attr" for a in node.args[1:4]), "expert weights stay frozen constants"
+        assert all(a is not None for a in node.args[6:])
+
+
+def test_one_token_decode_shape_matches_eager():
+    out, report, want = fused(moe_block("qwen2_moe"), x_in(tokens=1))
+    assert count(report, "graphopt.moe") == 1
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+def test_skips_gelu_experts_naming_the_activation():
+    # GeGLU experts: graphopt.moe (and ORT's CPU MoE) computes SwiGLU only.
+    out, report, want = fused(moe_block("mixtral", hidden_act="gelu_pytorch_tanh"))
+    assert count(report, "graphopt.moe") == 0 and count(report, "transformers.grouped_mm_fallback") == 2
+    (miss,) = [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert "expert activation: expected graphopt.swiglu, found graphopt.geglu" in miss.reason
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+def test_shared_expert_gate_with_a_bias_stays_outside_with_a_near_miss():
+    block = moe_block("qwen2_moe")
+    gate = torch.nn.Linear(HIDDEN, 1, bias=True)
+    with torch.no_grad():
+        gate.weight.copy_(block.shared_expert_gate.weight)
+        gate.bias.fill_(0.5)
+    block.shared_expert_gate = gate
+    out, report, want = fused(block)
+    assert count(report, "graphopt.moe") == 1 and count(report, "aten.sigmoid") == 1
+    (miss,) = [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert miss.reason.startswith("shared expert left outside:") and "bias" in miss.reason, miss.reason
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+def test_skips_a_router_that_is_not_a_softmax():
+    block = moe_block("mixtral")
+
+    def sigmoid_router(hidden_states, router=block.gate):  # a sigmoid router (DeepSeek-V3 style)
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, HIDDEN), router.weight)
+        top_v, top_i = torch.topk(torch.sigmoid(logits), router.top_k, dim=-1)
+        return logits, top_v, top_i
+
+    block.gate.forward = sigmoid_router
+    out, report, want = fused(block)
+    assert count(report, "graphopt.moe") == 0
+    (miss,) = [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert "router probabilities: expected aten._softmax or aten.softmax" in miss.reason, miss.reason
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+def test_reference_matches_a_per_token_loop():
+    """The op's dense reference against the definition, token by token (top-k, renormalise,
+    SwiGLU experts, weighted sum, gated shared expert)."""
+    from tests.op_cases import nonzero_random as r
+
+    x, wr, gu, d = r(6, 8), r(5, 8), r(5, 12, 8) * 0.3, r(5, 8, 6) * 0.3
+    sgu, sd, sg = r(10, 8) * 0.3, r(8, 5) * 0.3, r(1, 8)
+    for normalize in (True, False):
+        got = torch.ops.graphopt.moe(x, wr, gu, d, 3, normalize, sgu, sd, sg)
+        want = torch.empty_like(x)
+        for t in range(x.shape[0]):
+            w, e = torch.softmax(wr @ x[t], -1).topk(3)
+            w = w / w.sum() if normalize else w
+            acc = sum(w[j] * (d[e[j]] @ (torch.nn.functional.silu((gu[e[j]] @ x[t])[:6]) * (gu[e[j]] @ x[t])[6:]))
+                      for j in range(3))
+            h = sgu @ x[t]
+            want[t] = acc + torch.sigmoid(sg @ x[t]) * (sd @ (torch.nn.functional.silu(h[:5]) * h[5:]))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
