@@ -70,9 +70,13 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
             user_inputs = None  # symbolic inputs: nothing concrete to run numeric checks on
         readers = dynamic_float_readers(fw_gm, dynamic_floats) if aligned else {}
         before = len(reports())
+        shape_env = _shape_env()
+        guards_before = len(shape_env.guards) if shape_env is not None else 0
         compiled = compile_fn(fw_gm, user_inputs, config, "dynamo", len(frozen), notes)
+        added = shape_env.guards[guards_before:] if shape_env is not None else []
         for report in reports()[before:]:
             name_dynamic_floats(report, readers)
+            note_added_guards(report, added)
         if not frozen:
             return compiled
 
@@ -95,6 +99,28 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
         report.add_fallback("frontend", reason)
         record(report)
         return gm.forward
+
+
+def _shape_env():
+    """The ShapeEnv dynamo traced this graph with (None outside dynamo, or when static)."""
+    context = TracingContext.try_get()
+    fake_mode = getattr(context, "fake_mode", None)
+    return getattr(fake_mode, "shape_env", None)
+
+
+def note_added_guards(report: CompileReport, guards: Sequence[Any]) -> None:
+    """Say so when graphopt's own rewrites specialised a symbolic graph.
+
+    A size comparison in a pass (``size != 1``) becomes a dynamo guard on the compiled graph,
+    and an input that breaks it recompiles: the report names each such guard and the line that
+    made it, so a surprise recompile leads back to the pass. Passes should not add any
+    (they test sizes with ``statically_known_true``); tests hold them to that.
+    """
+    for guard in guards:
+        text = f"graphopt's rewrite specialised this graph on {guard.expr} ({guard.sloc}): an input that breaks it recompiles"
+        if text not in report.notes:
+            report.notes.append(text)
+            log.warning("graphopt: %s", text)
 
 
 def specialize_float_attributes(gm: fx.GraphModule) -> None:

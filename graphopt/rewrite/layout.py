@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
 from graphopt import ir
 from graphopt.rewrite.match import val
 
@@ -41,16 +43,32 @@ def restride_like(graph: fx.Graph, node: fx.Node, like: fx.Node) -> fx.Node:
     return node
 
 
+# Sizes here may be symbolic. Comparing them with ``==`` would add a shape guard to dynamo's
+# graph (a size that might be 1 becomes "must not be 1": a recompile for batch 1), so every
+# test is "provably true for all sizes", and an undecided one takes the conservative branch.
+
+
 def _dense_order(t: torch.Tensor) -> list[int] | None:
     """The dims of ``t`` from outermost to innermost in memory, if it is a permuted dense tensor."""
-    order = sorted(range(t.dim()), key=lambda d: (-t.stride()[d], d))
+    order = sorted(range(t.dim()), key=lambda d: (-_hint(t.stride()[d]), d))
     expected = 1
     for d in reversed(order):
-        if t.shape[d] != 1 and t.stride()[d] != expected:
+        if not _known(t.shape[d] == 1) and not _known(t.stride()[d] == expected):
             return None
         expected *= t.shape[d]
     return order
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
+    return a.dim() == b.dim() and all(_known(x == y) for x, y in zip(a.shape, b.shape)) and all(
+        _known(sa == sb) for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if not _known(n == 1))
+
+
+def _known(condition) -> bool:
+    """True when ``condition`` holds for every value of its symbols; never adds a guard."""
+    return statically_known_true(condition)
+
+
+def _hint(size) -> int:
+    """A size's value in the example inputs (ordering only; nothing is specialised on it)."""
+    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
