@@ -31,6 +31,7 @@ from graphopt.rewrite import BATCHED_MATMUL_OPS, SIZE_ASSERT_OPS, SIZE_OPS, NoMa
 
 aten = torch.ops.aten
 kv_cache_update = torch.ops.graphopt.kv_cache_update.default
+cache_attention = torch.ops.graphopt.cache_attention.default
 
 _META_DROPPED = ("val", "tensor_meta", "unbacked_bindings", "example_value")
 _DROP = object()  # a value the rewritten graph no longer has (runtime asserts on the past length)
@@ -153,12 +154,15 @@ class Rebuilder:
         dtype = val(match.cat).dtype
         read = self.read(cache, match.cat)
         if scales is None:
+            self.reads[read] = slot
             return read
         q = self.call(aten._to_copy.default, (read,), {"dtype": torch.float32}, like=match.cat)
         s = self.call(aten._to_copy.default, (self.read(scales, match.cat),), {"dtype": torch.float32}, like=match.cat)
         deq = self.call(aten.mul.Tensor, (q, s), like=match.cat)
-        return deq if dtype == torch.float32 else self.call(aten._to_copy.default, (deq,), {"dtype": dtype},
-                                                           like=match.cat)
+        out = deq if dtype == torch.float32 else self.call(aten._to_copy.default, (deq,), {"dtype": dtype},
+                                                          like=match.cat)
+        self.reads[out] = slot  # an attention reading it directly reads the int8 bytes instead (dead then)
+        return out
 
     def read(self, buffer: fx.Node, like: fx.Node) -> fx.Node:
         """[B, H, max_length, D] view (or gather) of ``buffer``, as ops.kv_cache.read_cache."""
@@ -213,6 +217,9 @@ class Rebuilder:
         causal = bool(bound.get("is_causal", False))
         expect(is_graphopt or not causal, "SDPA is_causal over a cache aligns top-left, which is wrong once "
                "keys outnumber queries; not rewritten", old)
+        bounded = self.bounded_attention(old, bound, is_graphopt, mask, causal)
+        if bounded is not None:
+            return bounded
         extra = self.mask("causal") if causal else self.mask("valid")
         if mask is None:
             mask = extra
@@ -233,10 +240,37 @@ class Rebuilder:
                          like=old)
         return sdpa if old.target is aten.scaled_dot_product_attention.default else [sdpa]
 
+    def lengths(self) -> fx.Node:
+        """[B] valid lengths, pos + S_new for every row: a device tensor, so one graph serves every step."""
+        if "lengths" not in self.masks:
+            end = self.call(aten.add.Tensor, (self.pos, self.new_len))
+            self.masks["lengths"] = self.call(aten.expand.default, (end, [self.batch]))
+        return self.masks["lengths"]
+
+    def bounded_attention(self, old: fx.Node, bound: dict, is_graphopt: bool, mask: Any, causal: bool) -> Any:
+        """``graphopt.cache_attention`` on the raw buffers when k and v are two whole cache reads;
+        None (the masked full-length form) when they pass through other views first."""
+        k, v = (bound["k"], bound["v"]) if is_graphopt else (bound["key"], bound["value"])
+        slot_k, slot_v = self.reads.get(k), self.reads.get(v)
+        if slot_k is None or slot_v is None:
+            return None
+        if not is_graphopt:
+            heads_q, heads_kv = val(bound["query"]).shape[1], val(k).shape[1]
+            if bound.get("dropout_p", 0.0) != 0.0 or heads_q != heads_kv and not bound.get("enable_gqa"):
+                return None  # SDPA itself would refuse these heads; keep its own error
+        q = bound["q"] if is_graphopt else bound["query"]
+        scale = bound.get("scale")
+        softcap = bound.get("softcap", 0.0) if is_graphopt else 0.0
+        out = self.call(cache_attention, (q, slot_k["cache"], slot_v["cache"], self.lengths(), self.options.layout,
+                                          self.block_table, slot_k.get("scales"), slot_v.get("scales"), mask, scale,
+                                          causal, softcap), like=old)
+        return out if is_graphopt or old.target is aten.scaled_dot_product_attention.default else [out]
+
     # ------------------------------------------------------------ the walk
     def run(self) -> fx.GraphModule:
         old_nodes = list(self.gm.graph.nodes)
         self.slots: dict[fx.Node, dict] = {}
+        self.reads: dict[fx.Node, dict] = {}  # a whole-cache read ([B, H, max_length, D]) -> its slot
         spec = StaticCacheSpec(self.options.layout, self.max_len, self.options.block_size, self.options.kv_dtype,
                                self.new_len, self.batch, self.device)
         placeholders = [n for n in old_nodes if n.op == "placeholder"]

@@ -1,6 +1,13 @@
 """Static KV cache: ``attention(q, cat([past_k, new_k], seq), cat([past_v, new_v], seq), mask)  ->
 kv_cache_update(cache_k, new_k, pos); kv_cache_update(cache_v, new_v, pos);
-attention(q, cache_k, cache_v, mask & (j < pos + S_new))``.
+cache_attention(q, cache_k, cache_v, lengths = pos + S_new, layout, block_table, scales, mask)``.
+
+Attention that reads the two caches whole (``graphopt.attention`` or SDPA after
+fuse_attention folded GQA's repeat_kv) becomes ``graphopt.cache_attention`` on the raw
+buffers: it reads only positions below each row's valid length, int8 bytes with their
+scales and paged blocks through the table, so step t costs O(t), not O(max_length).
+Attention that reads the cache through other views (unfused repeat_kv, the explicit
+matmul form) keeps ``attention(..., mask & (j < pos + S_new))`` over a dense read.
 
 Why: a cache that grows by concatenation changes every decode step's shapes (so a
 compiled step recompiles, or runs a dynamic-shape graph) and copies the whole cache each

@@ -121,26 +121,40 @@ def _(cache, new, pos, layout="bhsd", block_table=None, scales=None):
     return None
 
 
-def read_cache(cache: Tensor, layout: str = "bhsd", block_table: Tensor | None = None,
-               scales: Tensor | None = None, dtype: torch.dtype | None = None) -> Tensor:
-    """The whole cache as [B, H, S_max, D] in ``dtype``: what attention reads after an update.
-
-    ``bhsd`` is the cache itself and ``bshd`` a transposed view (no copy); ``paged`` gathers
-    the sequence's blocks (S_max = blocks_per_seq * block_size); int8 dequantizes.
-    ``passes/static_kv_cache.py`` emits the same ATen ops into the graph.
-    """
+def cache_length(cache: Tensor, layout: str = "bhsd", block_table: Tensor | None = None) -> int:
+    """Positions one sequence of ``cache`` holds (paged: its blocks_per_seq whole blocks)."""
     if layout == "bhsd":
-        out = cache
+        return cache.shape[2]
+    if layout == "bshd":
+        return cache.shape[1]
+    if layout == "paged":
+        return block_table.shape[1] * cache.shape[2]
+    raise ValueError(f"kv cache layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+
+
+def read_cache(cache: Tensor, layout: str = "bhsd", block_table: Tensor | None = None,
+               scales: Tensor | None = None, dtype: torch.dtype | None = None, length: int | None = None) -> Tensor:
+    """Positions ``0 .. length - 1`` (default: all) of the cache as [B, H, length, D] in ``dtype``.
+
+    ``bhsd`` is a slice of the cache and ``bshd`` a transposed slice (no copy); ``paged``
+    gathers only the ``ceil(length / block_size)`` blocks that hold those positions; int8
+    dequantizes only what it read. So a reader bounded by the valid length pays for that
+    length, not for the buffer.
+    """
+    full = cache_length(cache, layout, block_table)
+    length = full if length is None else max(0, min(int(length), full))
+    if layout == "bhsd":
+        out = cache if length == full else cache[:, :, :length]
     elif layout == "bshd":
-        out = cache.transpose(1, 2)
-    elif layout == "paged":
-        gathered = cache[block_table.long()]  # [B, blocks_per_seq, H, block, D]
+        out = (cache if length == full else cache[:, :length]).transpose(1, 2)
+    else:
+        block = cache.shape[2]
+        gathered = cache[block_table[:, :-(-length // block)].long()]  # [B, blocks, H, block, D]
         b, n, h, blk, d = gathered.shape
         out = gathered.permute(0, 2, 1, 3, 4).reshape(b, h, n * blk, d)
-    else:
-        raise ValueError(f"kv cache layout {layout!r} is not one of {', '.join(LAYOUTS)}")
+        out = out if n * blk == length else out[:, :, :length]
     if scales is not None:
-        s = read_cache(scales, layout, block_table)
+        s = read_cache(scales, layout, block_table, length=length)
         return (out.float() * s.float()).to(dtype or torch.float32)
     return out if dtype is None else out.to(dtype)
 

@@ -100,6 +100,27 @@ def test_decode_matches_eager(llama, decode_graph, layout, kv_dtype, tol):
     assert decode_against_eager(llama, result.gm, spec, table=table) <= tol
 
 
+@pytest.mark.parametrize("layout, kv_dtype, tol", [("bhsd", "auto", 1e-5), ("bshd", "auto", 1e-5),
+                                                   ("paged", "int8", 3e-2)])
+def test_fused_attention_reads_the_raw_cache_up_to_the_valid_length(llama, decode_graph, layout, kv_dtype, tol):
+    """After fuse_attention, attention reads the buffers themselves (int8 bytes, paged blocks)
+    through graphopt.cache_attention with per-row lengths: no dense copy, no full-length mask."""
+    fused = run_pass("fuse_attention", ir.copy_graph_module(decode_graph)).gm
+    result = run_pass("static_kv_cache", fused, max_length=MAX, layout=layout, kv_dtype=kv_dtype, block_size=4)
+    counts = ir.op_counts(result.gm)
+    assert counts.get("graphopt.cache_attention") == 2 and "graphopt.attention" not in counts
+    assert "aten.index" not in counts  # no gather of the paged blocks
+    for node in result.gm.graph.nodes:
+        if ir.target_name(node.target) == "graphopt.cache_attention":
+            buffers = [a for a in node.args[1:3] + node.args[5:8] if a is not None]  # caches, table, scales
+            assert all(a.op == "placeholder" for a in buffers), node.format_node()  # no dense copy
+            assert len(buffers) == {"paged": 5}.get(layout, 2) and node.args[8] is None  # no full-length mask
+    spec = spec_of(result.gm)
+    table = torch.randperm(MAX // 4, generator=torch.Generator().manual_seed(0)).view(1, -1) \
+        if layout == "paged" else None
+    assert decode_against_eager(llama, result.gm, spec, table=table) <= tol
+
+
 def test_chunk_with_a_causal_mask_over_the_cache(llama):
     """Three new tokens after a cache: the model's mask is built from the past length, which
     becomes the position input (value) and max_length (size)."""
@@ -190,8 +211,8 @@ def test_explicit_attention_gets_the_mask_before_its_softmax(mask):
     assert ir.op_counts(rewritten)["aten.masked_fill"] >= 1
 
 
-def test_the_cpu_flash_variant_becomes_plain_sdpa():
-    """aot_autograd's spelling on the CPU: a tuple op read at output 0."""
+def test_the_cpu_flash_variant_becomes_bounded_cache_attention():
+    """aot_autograd's spelling on the CPU: a tuple op read at output 0, reading the cache directly."""
     module = CacheAttention("bool")
     (q, k, v), past = _attention_inputs()
     gm = export_step(module, q, k, v, past=past)
@@ -206,7 +227,9 @@ def test_the_cpu_flash_variant_becomes_plain_sdpa():
     gm.graph.erase_node(sdpa)
     gm.recompile()
     rewritten = _run_static(gm, module)
-    assert "aten.scaled_dot_product_attention" in ir.op_counts(rewritten)
+    counts = ir.op_counts(rewritten)
+    assert counts.get("graphopt.cache_attention") == 1 and "aten._scaled_dot_product_flash_attention_for_cpu" \
+        not in counts
 
 
 # ---------------------------------------------------------------- where it must not fire
