@@ -14,11 +14,17 @@ Loads are issued ahead of their use by Triton's software pipeliner: with
 step computes (cp.async on NVIDIA, buffered global loads on AMD).
 
 Two shapes, two tunings (``int4_linear`` picks by M):
-- decode (M <= 16): few rows and the whole weight to stream. BLOCK_M is M rounded up
-  to a power of two, and below 16 rows the tile is multiplied on the FMA units (a
-  broadcast product and a reduction over k) instead of 16-row MMA tiles, most of which
-  would be padding. K is split over SPLIT programs so that a single token fills the GPU;
-  their fp32 partial sums go to a workspace reduced by the launcher.
+- decode (M <= 16): few rows and the whole weight to stream. One token is a GEMV on
+  the FMA units (a broadcast product and a reduction over k); 2-16 rows use one 16-row
+  MMA tile (the rows past M are masked: the kernel is bound by the weight stream, so the
+  padding costs no time, and an FMA product of 8 rows would not fit in registers). K is
+  split over SPLIT programs so that a single token fills the GPU; their fp32 partial
+  sums go to a workspace that a second kernel reduces (bias and cast fused into it).
+
+The weight bytes of a step are loaded without a per-k mask whenever BLOCK_K divides the
+group (every config the autotuner keeps for groups of 32, 64, 128): each column's
+BLOCK_K / 2 bytes are contiguous and 16-byte aligned, so they move as 128-bit vector
+loads, through cp.async on the MMA paths. ``graphopt kernels`` shows it per variant.
 - prefill (M > 16): 64 / 128-row tiles on the tensor cores (MMA / MFMA).
 """
 
@@ -108,7 +114,7 @@ def int4_gemm_kernel(
     HAS_ZEROS: tl.constexpr,  # asymmetric: zero points stored; else every zero point is 8
     HAS_BIAS: tl.constexpr,   # add the bias before the cast (only without SPLIT)
     SPLIT: tl.constexpr,      # split-K: write fp32 partials at out_ptr + pid_k * M * N
-    BLOCK_M: tl.constexpr,    # rows per program; >= 16 multiplies on MMA, below on FMA
+    BLOCK_M: tl.constexpr,    # rows per program: 1 is the GEMV on FMA units, >= 16 multiplies on MMA
     BLOCK_N: tl.constexpr,    # output columns per program
     BLOCK_K: tl.constexpr,    # k per loop step; when it divides GROUP (the fast path) one scale per step
     DOT_F32: tl.constexpr,    # upcast dot operands (only the interpreter with bf16 needs it)
@@ -196,10 +202,6 @@ REDUCE_BLOCK, REDUCE_WARPS = 1024, 4  # 8 fp32 per thread of a 32-wide warp: two
 
 # Bytes of packed weight each thread loads per K step: 16 is one 128-bit vector load.
 GEMV_BYTES_PER_THREAD = 16
-# fp32 products one thread holds on the FMA path (BLOCK_M x BLOCK_K x BLOCK_N / threads): past this it spills.
-FMA_PRODUCTS_PER_THREAD = 128
-
-
 def gemv_bytes_per_thread(block_n: int, block_k: int, num_warps: int, warp: int) -> int:
     return (block_k // 2) * block_n // (num_warps * warp)
 
@@ -264,19 +266,13 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
 
 def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
     """Keep the configs whose BLOCK_K divides the group size (one scale per step, unmasked
-    128-bit loads), else those with the smallest BLOCK_K (the masked fallback); on the
-    FMA path (BLOCK_M < 16) drop tiles whose product would not fit in registers."""
-    args = {**named_args, **kwargs}
-    group, block_m, warp = args["GROUP"], args.get("BLOCK_M"), warp or _common.warp_size()
+    128-bit loads), else those with the smallest BLOCK_K (the masked fallback). ``warp``
+    is accepted for registry.tuning_specs; the choice does not depend on it."""
+    group = {**named_args, **kwargs}["GROUP"]
     kept = [c for c in configs if group % c.kwargs.get("BLOCK_K", group) == 0]
     if not kept:
         smallest = min(c.kwargs.get("BLOCK_K", 0) for c in configs)
         kept = [c for c in configs if c.kwargs.get("BLOCK_K", 0) == smallest]
-    if block_m is not None and block_m < 16 and "BLOCK_M" not in kept[0].kwargs:
-        def products(c):
-            return block_m * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] // (c.num_warps * warp)
-        fits = [c for c in kept if products(c) <= FMA_PRODUCTS_PER_THREAD]
-        kept = fits or [min(kept, key=products)]
     return kept
 
 
@@ -333,7 +329,7 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     splits = split_k or _split_count(m, n, groups, x.device)
     per_split = triton.cdiv(groups, splits) * group_size
     splits = triton.cdiv(k, per_split)  # no empty split programs
-    block_m = _common.next_pow2(m)
+    block_m = 1 if m == 1 else 16  # GEMV on FMA, else one MMA tile (see the module docstring)
     grid = lambda meta: (1, triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     if splits == 1:
         int4_gemm_decode[grid](x2, packed, scales, zeros, bias_arg, o2, m, n, k, per_split, *strides, o2.stride(0),

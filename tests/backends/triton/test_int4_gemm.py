@@ -34,6 +34,7 @@ def weight(n: int, k: int, group: int, symmetric: bool, dtype=torch.float16):
 
 
 def check(m, n, k, group, dtype, symmetric=True, bias=False, lead=(), split_k=None):
+    """int4_linear against the reference op; M = 1 is the GEMV, 2-16 rows one MMA tile, more the prefill."""
     packed, scales, zeros = weight(n, k, group, symmetric, dtype)
     x = randn(*lead, m, k, dtype=dtype)
     b = randn(n, dtype=dtype) if bias else None
@@ -116,14 +117,6 @@ def test_gemv_tiles_give_each_lane_a_128_bit_load(hip, warp):
     for c in int4_gemm.decode_gpu_configs(hip):
         bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
         assert int4_gemm.gemv_bytes_per_thread(bn, bk, c.num_warps, warp) >= 16, c
-    # Past one token the FMA product must stay in registers: wide tiles are pruned away.
-    for block_m in (1, 2, 4, 8):
-        kept = int4_gemm.prune_configs(int4_gemm.decode_gpu_configs(hip), {"GROUP": 128, "BLOCK_M": block_m},
-                                       warp=warp)
-        assert kept
-        if len(kept) > 1:
-            assert all(block_m * c.kwargs["BLOCK_K"] * c.kwargs["BLOCK_N"] // (c.num_warps * warp)
-                       <= int4_gemm.FMA_PRODUCTS_PER_THREAD for c in kept)
 
 
 def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
