@@ -57,8 +57,23 @@ def pick_configs(gpu_configs: Callable[[bool], list[triton.Config]],
     return [interpreter_config] if interpreting() else gpu_configs(is_hip())
 
 
+# Vendor knobs of the kernels without tl.dot (norms, activations, rope), the same on both vendors:
+# - num_stages=1: one row (or block) per program and no loop over K, so there is nothing for
+#   the software pipeliner to overlap; more stages would only reserve shared memory / LDS.
+# - num_warps: at least 8 elements (one 128-bit fp16 vector) per thread; more threads than that
+#   split the row into 64-bit or narrower loads (`graphopt kernels --tuning` showed 64-bit loads
+#   for the 2x-too-many-warps configs). A 64-wide wavefront takes half the warps of a 32-wide one.
+# - MI300 waves_per_eu left to the compiler: every config stays at or under 128 VGPRs on gfx942
+#   (>= 4 of the 8 waves per SIMD resident; test_aot checks it), and a cap would spend registers'
+#   worth of unrolled loads to buy occupancy a one-row-per-program grid already has.
+#   matrix_instr_nonkdim and kpack only shape tl.dot (MFMA), which these kernels do not use.
+MIN_ELEMENTS_PER_THREAD = 8
+ROW_MAX_VGPRS = 128
+
+
 def row_gpu_configs(hip: bool) -> list[triton.Config]:
-    """num_warps candidates for one-row-per-program kernels (BLOCK is set by the launcher)."""
+    """num_warps candidates for one-row-per-program kernels (BLOCK is set by the launcher);
+    prune_row_configs keeps those that suit the row."""
     warp = 64 if hip else 32
     return [triton.Config({}, num_warps=w, num_stages=1) for w in (1, 2, 4, 8, 16, 32) if w <= max_warps(warp)]
 
@@ -67,14 +82,15 @@ ROW_INTERPRETER_CONFIG = triton.Config({}, num_warps=1, num_stages=1)
 
 
 def prune_row_configs(configs, named_args, warp: int | None = None, **kwargs):
-    """Keep warp counts within a factor of two of :func:`row_warps` for this BLOCK.
+    """Keep :func:`row_warps` for this BLOCK and half of it (16 elements per thread); twice
+    as many would cut each thread's share of the row below one 128-bit vector.
 
     The autotuner passes the launch's arguments; ``warp`` is for sizing another
     vendor's configs ahead of time (registry.tuning_specs).
     """
     block = {**named_args, **kwargs}["BLOCK"]
     best = row_warps(block, warp or warp_size())
-    kept = [c for c in configs if best // 2 <= c.num_warps <= best * 2]
+    kept = [c for c in configs if best // 2 <= c.num_warps <= best]
     return kept or configs[:1]
 
 

@@ -76,11 +76,16 @@ def bias_gelu_kernel(
 
 
 def gpu_configs(hip: bool) -> list[triton.Config]:
-    """Column-block sizes x warps: 1024-4096 elements per program saturates HBM on both vendors."""
+    """Column-block sizes x warps: 1024-4096 elements per program saturates HBM on both vendors.
+
+    Each keeps >= 8 elements per thread (one 128-bit fp16 load); num_stages=1 and no MI300
+    knobs: see _common (no loop to pipeline, no tl.dot, <= 128 VGPRs).
+    """
     warp = 64 if hip else 32
     # Same threads per program on both vendors: a 64-wide wavefront needs half the warps.
     return [triton.Config({"BLOCK": block}, num_warps=threads // warp, num_stages=1)
-            for block in (1024, 2048, 4096) for threads in (128, 256)]
+            for block in (1024, 2048, 4096) for threads in (128, 256)
+            if block // threads >= _common.MIN_ELEMENTS_PER_THREAD]
 
 
 _configs = _common.pick_configs(gpu_configs, triton.Config({"BLOCK": 128}, num_warps=1, num_stages=1))

@@ -60,7 +60,7 @@ def layer_norm_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-gpu_configs = _common.row_gpu_configs
+gpu_configs = _common.row_gpu_configs  # the knobs and why: _common.row_gpu_configs
 prune_configs = _common.prune_row_configs
 layer_norm_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, _common.ROW_INTERPRETER_CONFIG),

@@ -62,15 +62,31 @@ def rope_kernel(
 
 
 def gpu_configs(hip: bool) -> list[triton.Config]:
-    """A token's heads x head_dim is 1-8K elements: one or a few programs of 128-256 threads."""
+    """A token's heads x head_dim is 1-8K elements: one or a few programs of 128-256 threads.
+
+    num_stages=1 and no MI300 knobs: see _common (no loop to pipeline, no tl.dot, <= 128 VGPRs).
+    """
     warp = 64 if hip else 32
     return [triton.Config({"BLOCK_H": bh}, num_warps=threads // warp, num_stages=1)
             for bh in (4, 8, 16) for threads in (128, 256)]
 
 
+def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
+    """Keep tiles of >= 8 elements (one 128-bit fp16 vector) per thread for this BLOCK_D;
+    fewer split each thread's channels into narrower loads. Else the one with the most."""
+    block_d, warp = {**named_args, **kwargs}["BLOCK_D"], warp or _common.warp_size()
+
+    def per_thread(c):
+        return c.kwargs["BLOCK_H"] * block_d // (c.num_warps * warp)
+
+    kept = [c for c in configs if per_thread(c) >= _common.MIN_ELEMENTS_PER_THREAD]
+    return kept or [max(configs, key=per_thread)]
+
+
 rope_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, triton.Config({"BLOCK_H": 4}, num_warps=1, num_stages=1)),
-    key=["n_heads", "head_dim", "rot_dim", "INTERLEAVED"])(rope_kernel)
+    key=["n_heads", "head_dim", "rot_dim", "INTERLEAVED"], prune_configs_by={"early_config_prune": prune_configs},
+)(rope_kernel)
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False, *, out: Tensor | None = None) -> Tensor:
