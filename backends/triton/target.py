@@ -29,8 +29,11 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt import report as reports
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
+
+from . import builds
 
 log = logging.getLogger("graphopt")
 
@@ -75,6 +78,9 @@ class TritonTarget:
             raise GraphoptError("the graph's tensors are on the CPU; the triton target needs them on the GPU "
                                 "(move the model and its inputs with .to('cuda'))")
         lowered, done, kept = retarget(gm, runnable=None if interpret else _on_gpu_node)
+        report = reports.current_report()
+        if not interpret:  # kernels compile at their first launch: each is a build of this graph
+            builds.install()
         notes = lowering_notes(done, kept)
         vendor = gpu_vendor()
         if vendor is not None:  # the kernels pick that vendor's autotune configs (_common.is_hip)
@@ -96,7 +102,7 @@ class TritonTarget:
                 notes.append(f"triton: Inductor failed ({reason}); the rest of the graph runs eagerly")
         for note in notes:
             log.info("graphopt: %s", note)
-        return _with_notes(compiled, lowered, notes)
+        return _with_notes(compiled, lowered, notes, report)
 
 
 def retarget(gm: fx.GraphModule, runnable: Callable[[fx.Node], bool] | None = None
@@ -178,11 +184,13 @@ def _on_gpu_node(node: fx.Node) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
 
 
-def _with_notes(compiled: Callable, lowered: fx.GraphModule, notes: list[str]) -> Callable:
+def _with_notes(compiled: Callable, lowered: fx.GraphModule, notes: list[str], report=None) -> Callable:
     """``compiled`` carrying ``graphopt_notes`` (the core copies them into the report) and
-    ``lowered_graph`` (the retargeted graph, for tools and tests)."""
+    ``lowered_graph`` (the retargeted graph, for tools and tests); kernels it compiles while
+    running are builds in ``report``."""
     def run(*args: Any) -> Any:
-        return compiled(*args)
+        with builds.running_for(report):
+            return compiled(*args)
 
     run.graphopt_notes = notes
     run.lowered_graph = lowered
