@@ -119,6 +119,7 @@ _ENTRIES = [
                 notes="in place; bhsd, bshd and paged layouts, int8 with per-token scales"),
     KernelEntry("int4_gemm", "graphopt.int4_linear", "int4_gemm", "int4_linear",
                 notes="INT4 weight-only; split-K GEMV for M <= 16 rows, MMA tiles above"),
+    KernelEntry("moe", "graphopt.moe", "moe", "moe", notes="tokens sorted by expert; gate/up + SwiGLU, then down"),
 ]
 
 KERNELS: dict[str, KernelEntry] = {e.name: e for e in _ENTRIES}
