@@ -189,3 +189,30 @@ def test_skips_dynamic_export_when_a_symint_is_no_input_size(caplog):
     assert any("not the size of any tensor input axis" in note for note in report.notes), report.notes
     assert "once per input shape" in caplog.text
     assert len(builds()) == 2  # one static model per signature: (5+2, n=2) and (5+3, n=3), reused
+
+
+def test_a_failed_dynamic_export_falls_back_to_one_static_export_per_shape(monkeypatch, caplog):
+    """The dynamic export fails (an op ORT cannot take with a symbolic size, say): the graph
+    still runs on ORT, one static model per shape, and the note and the log say why."""
+    from graphopt.backends.onnxruntime import target as target_module
+    from graphopt.backends.onnxruntime.errors import OnnxExportError
+
+    real = target_module._build_session
+
+    def no_dynamic_export(gm, example_inputs, provider, *, dynamic, **kwargs):
+        if dynamic:
+            raise OnnxExportError("planted: no dynamic axes for this graph")
+        return real(gm, example_inputs, provider, dynamic=dynamic, **kwargs)
+
+    monkeypatch.setattr(target_module, "_build_session", no_dynamic_export)
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model, dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="graphopt"):
+        for batch, seq in ((2, 5), (3, 8), (2, 5)):
+            run_checked(compiled, model, batch, seq)
+    (report,) = graphopt.reports()
+    assert report.target == "onnxruntime" and report.fallbacks == []
+    assert any("the export with dynamic axes failed (planted" in note for note in report.notes), report.notes
+    assert "once per input shape" in caplog.text
+    made = builds()
+    assert [b["dynamic_dims"] for b in made] == [[], []]  # (2, 5) and (3, 8); the repeat reuses the first
