@@ -7,11 +7,18 @@ layout, graphopt/ops/quant.py), splits each byte into its low nibble (even k) an
 high nibble (odd k), dequantizes both halves in registers with the group's scale (and
 zero point), and multiplies them against the even and odd columns of x. So the weight
 crosses memory once, as 4-bit codes, and no dequantized weight is ever written anywhere.
-BLOCK_K divides the group size, so one step reads one scale per column.
 
-Loads are issued ahead of their use by Triton's software pipeliner: with
-``num_stages = S`` the loads of the next S - 1 K steps are in flight while the current
-step computes (cp.async on NVIDIA, buffered global loads on AMD).
+The weight bytes of a step are loaded without a per-k mask whenever BLOCK_K divides the
+group (every config the autotuner keeps for groups of 32, 64, 128; then one step reads
+one scale per column): each column's BLOCK_K / 2 bytes are contiguous and 16-byte
+aligned, so they move as 128-bit vector loads. Other groups (16, 48, ...) take a masked
+per-byte fallback. ``graphopt kernels --json`` shows the load widths per variant.
+
+On the MMA paths Triton's software pipeliner issues the loads ahead of their use: with
+``num_stages = S`` the weight bytes and x of the next S - 1 K steps are in flight while
+the current step unpacks and multiplies (cp.async into shared memory on NVIDIA; on
+gfx942 triton 3.9 stages them through registers into LDS, since its direct-to-LDS copy
+is 32 bits wide there). The GEMV prefetches the next step's weights by hand.
 
 Two shapes, two tunings (``int4_linear`` picks by M):
 - decode (M <= 16): few rows and the whole weight to stream. One token is a GEMV on
@@ -20,11 +27,6 @@ Two shapes, two tunings (``int4_linear`` picks by M):
   padding costs no time, and an FMA product of 8 rows would not fit in registers). K is
   split over SPLIT programs so that a single token fills the GPU; their fp32 partial
   sums go to a workspace that a second kernel reduces (bias and cast fused into it).
-
-The weight bytes of a step are loaded without a per-k mask whenever BLOCK_K divides the
-group (every config the autotuner keeps for groups of 32, 64, 128): each column's
-BLOCK_K / 2 bytes are contiguous and 16-byte aligned, so they move as 128-bit vector
-loads, through cp.async on the MMA paths. ``graphopt kernels`` shows it per variant.
 - prefill (M > 16): 64 / 128-row tiles on the tensor cores (MMA / MFMA).
 """
 
