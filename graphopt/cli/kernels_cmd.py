@@ -3,7 +3,11 @@
 Builds run ahead of time (``backends/triton/aot.py``), so no GPU is needed: NVIDIA
 sm_80 / sm_90 produce PTX and a cubin, AMD gfx90a / gfx942 amdgcn and a hsaco. Each
 (kernel, arch) reports whether it built (or the error), registers, shared memory and
-spills where the compiler reports them.
+spills where the compiler reports them, and two load facts read from the PTX / amdgcn:
+``global_load_bits`` (the widest global load; 128 is a full vector) and ``async_copies``
+(cp.async / direct-to-LDS copies, the asynchronous prefetch). ``variants`` lists the
+same numbers for each compiled function (a spec or, with ``--tuning``, a config); the
+row's ``global_load_bits`` is the narrowest variant's and ``async_copies`` their sum.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from graphopt.cli.output import console, error_line, print_json, status_console, table
 
-JSON_FIELDS = ("kernel", "arch", "built", "error", "registers", "shared_memory", "spills")
+JSON_FIELDS = ("kernel", "arch", "built", "error", "registers", "shared_memory", "spills", "global_load_bits",
+               "async_copies")
+VARIANT_FIELDS = ("label", "function", "registers", "shared_memory", "spills", "global_load_bits", "async_copies")
 
 
 def kernels(
@@ -27,8 +33,8 @@ def kernels(
     cache_dir: str = typer.Option("", "--cache-dir",
                                   help="keep the PTX/cubin/amdgcn/hsaco here (default: a temp dir removed at exit)"),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="build in this many child processes"),
-    json_out: bool = typer.Option(False, "--json", help="print a JSON list of "
-                                  "{kernel, arch, built, error, registers, shared_memory, spills}"),
+    json_out: bool = typer.Option(False, "--json", help="print a JSON list of {kernel, arch, built, error, "
+                                  "registers, shared_memory, spills, global_load_bits, async_copies, variants}"),
 ) -> None:
     """List the Triton kernels and build each for the asked GPU architectures, without a GPU.
 
@@ -51,13 +57,20 @@ def kernels(
         _fail("graphopt kernels needs the Python package 'triton': pip install 'graphopt[triton]'")
 
     results = _build(names, archs, tuning, cache_dir or None, jobs, show=not json_out and sys.stderr.isatty())
-    rows = [{f: getattr(r, f) for f in JSON_FIELDS} for r in results]
+    rows = [_row(r) for r in results]
     if json_out:
         print_json(rows)
     else:
         _print_human(rows, KERNELS, cache_dir)
     if not all(r["built"] for r in rows):
         raise typer.Exit(1)
+
+
+def _row(result) -> dict:
+    row = {f: getattr(result, f) for f in JSON_FIELDS}
+    row["variants"] = [{f: getattr(fb, "name" if f == "function" else f) for f in VARIANT_FIELDS}
+                       for fb in result.functions]
+    return row
 
 
 def _split(text: str) -> list[str]:
@@ -102,9 +115,11 @@ def _build(names, archs, tuning, cache_dir, jobs, show):
 def _print_human(rows: list[dict], kernels: dict, cache_dir: str) -> None:
     built = sum(r["built"] for r in rows)
     title = f"graphopt Triton kernels: {built} of {len(rows)} builds succeeded"
-    console.print(table(title, ["kernel", "op", "arch", "built", "registers", "shared memory (B)", "spills (B)"],
+    console.print(table(title, ["kernel", "op", "arch", "built", "registers", "shared memory (B)", "spills (B)",
+                                "load bits", "async copies"],
                         [[r["kernel"], kernels[r["kernel"]].op, r["arch"], "yes" if r["built"] else "[red]no[/]",
-                          r["registers"], r["shared_memory"], r["spills"]] for r in rows]))
+                          r["registers"], r["shared_memory"], r["spills"], r["global_load_bits"],
+                          r["async_copies"]] for r in rows]))
     for r in rows:
         if not r["built"]:
             console.print(f"[red]failed[/] {r['kernel']} for {r['arch']}: {r['error']}", soft_wrap=True)

@@ -137,8 +137,7 @@ def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
 
 _BUILD = r"""
 import json, sys
-from graphopt.backends.triton import aot, registry
-registry.KERNELS["int4_gemm"] = registry.KernelEntry("int4_gemm", "graphopt.int4_linear", "int4_gemm", "int4_linear")
+from graphopt.backends.triton import aot
 results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for arch in sys.argv[2:]]
 print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
                        functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
@@ -148,13 +147,14 @@ print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.p
 
 
 @pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    """Builds for the four archs in two child processes (this one interprets kernels). The
-    kernel is registered inside the children only: the registry entry is the lead's to add."""
-    cache = str(tmp_path_factory.mktemp("int4-aot"))
+def builds(aot_cache_dir):
+    """Builds for the four archs in two child processes (this one interprets kernels), in the
+    session's AOT cache: after test_aot (which builds the same specs) they are cache hits."""
+    cache = aot_cache_dir
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     procs = [subprocess.Popen([sys.executable, "-c", _BUILD, cache, *archs], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for archs in (("sm_80", "sm_90"), ("gfx90a", "gfx942"))]
+                              stderr=subprocess.PIPE, text=True)
+             for archs in (("sm_80", "sm_90"), ("gfx90a", "gfx942"))]
     results = {}
     for p in procs:
         out, err = p.communicate(timeout=600)

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from graphopt.backends.triton.registry import KERNELS
 from graphopt.cli.main import app
 
-FIELDS = {"kernel", "arch", "built", "error", "registers", "shared_memory", "spills"}
+FIELDS = {"kernel", "arch", "built", "error", "registers", "shared_memory", "spills", "global_load_bits",
+          "async_copies", "variants"}
 
 
 def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
@@ -32,20 +33,35 @@ def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
     for r in rows:
         assert r["built"] and r["error"] is None, r
         assert r["registers"] > 0 and r["shared_memory"] >= 0 and r["spills"] == 0, r
+        assert r["variants"] and all(v["spills"] == 0 for v in r["variants"]), r
+        assert r["global_load_bits"] == min(v["global_load_bits"] for v in r["variants"]), r
+        assert r["async_copies"] == sum(v["async_copies"] for v in r["variants"]), r
+    # The done-when: INT4 weights move in 128-bit vectors on every path, and the
+    # tiled (MMA) paths prefetch them asynchronously where the compiler does (cp.async on
+    # sm_90; triton 3.9 stages gfx942 loads through registers, so no async copy there).
+    for r in rows:
+        if r["kernel"] == "int4_gemm":
+            assert r["global_load_bits"] >= 128, r
+            tiled = [v for v in r["variants"] if v["label"] in ("prefill 128x128x32", "decode M=16")]
+            assert len(tiled) == 2, r
+            if r["arch"] == "sm_90":
+                assert all(v["async_copies"] > 0 for v in tiled), r
 
 
 def test_table_shows_each_build_and_the_error_of_a_failed_one(monkeypatch):
     from graphopt.backends.triton import aot
 
     def fake_build_all(archs, kernels, **kwargs):  # the builds themselves are the test above
-        return [aot.BuildResult("rms_norm", "gfx942", True, registers=20, shared_memory=32, spills=0),
+        return [aot.BuildResult("rms_norm", "gfx942", True, registers=20, shared_memory=32, spills=0,
+                                global_load_bits=128, async_copies=0),
                 aot.BuildResult("swiglu", "gfx942", False, error="CompilationError: out of LDS")]
 
     monkeypatch.setattr(aot, "build_all", fake_build_all)
     result = CliRunner().invoke(app, ["kernels", "--arch", "gfx942", "--kernel", "rms_norm,swiglu"])
     assert result.exit_code == 1, result.output  # a failed build fails the command
     assert "1 of 2 builds succeeded" in result.stdout
-    for text in ("graphopt.rms_norm", "graphopt.swiglu", "registers", "shared memory", "spills",
+    for text in ("graphopt.rms_norm", "graphopt.swiglu", "registers", "shared memory", "spills", "load bits",
+                 "async copies",
                  "failed swiglu for gfx942: CompilationError: out of LDS"):
         assert text in result.stdout, text
 
