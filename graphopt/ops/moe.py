@@ -20,6 +20,9 @@ ONNX Runtime runs it as its ``MoE`` kernel and Triton as one sorted grouped GEMM
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,6 +63,8 @@ def moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int,
     """Routed SwiGLU experts (plus an optional shared expert) for ``x`` [tokens, hidden]."""
     _check(x, router_weight, gate_up, down, k)
     weights, experts = route(x, router_weight, k, normalize)
+    if _recording:
+        _recording[-1].add(router_weight, experts)
     # Dense on purpose: every expert runs on every token and the routing weights (zero off
     # the top k) pick the sum. No data-dependent shapes, so the reference traces with fake
     # tensors and is what a target without an MoE kernel runs (graphopt.decompose).
@@ -84,3 +89,59 @@ def _(x, router_weight, gate_up, down, k, normalize, shared_gate_up=None, shared
 
 
 register("moe")
+
+
+# --- routing observability --------------------------------------------------------------------
+
+class RoutingLog:
+    """The experts the reference op chose while :func:`record_routing` was active, per MoE
+    layer (told apart by its router weight) and per call: for a decode loop, one call per
+    layer and step, so consecutive calls of a layer are consecutive tokens of each row."""
+
+    def __init__(self) -> None:
+        self.layers: dict[int, list[Tensor]] = {}  # router weight's data_ptr -> [T, k] per call
+        self.num_experts: dict[int, int] = {}
+
+    def add(self, router_weight: Tensor, experts: Tensor) -> None:
+        if isinstance(experts, torch._subclasses.FakeTensor):
+            return  # tracing, not running: nothing was routed
+        key = router_weight.data_ptr()
+        self.layers.setdefault(key, []).append(experts.detach().cpu())
+        self.num_experts[key] = router_weight.shape[0]
+
+    def tokens_per_expert(self) -> list[list[int]]:
+        """Per layer: how many (token, slot) pairs each expert received, over all calls."""
+        return [torch.bincount(torch.cat([c.reshape(-1) for c in calls]), minlength=self.num_experts[key]).tolist()
+                for key, calls in self.layers.items()]
+
+    def topk_change_rate(self) -> list[float | None]:
+        """Per layer: the fraction of rows whose top-k expert *set* differs between two
+        consecutive calls of the same batch size (consecutive decode steps); None without any."""
+        rates = []
+        for calls in self.layers.values():
+            changed = total = 0
+            for prev, cur in zip(calls, calls[1:]):
+                if prev.shape != cur.shape:
+                    continue  # a prefill next to a decode step: not the same tokens' rows
+                changed += int((prev.sort(-1).values != cur.sort(-1).values).any(-1).sum())
+                total += cur.shape[0]
+            rates.append(changed / total if total else None)
+        return rates
+
+    def to_dict(self) -> dict:
+        return {"tokens_per_expert": self.tokens_per_expert(), "topk_change_rate": self.topk_change_rate()}
+
+
+_recording: list[RoutingLog] = []
+
+
+@contextlib.contextmanager
+def record_routing() -> Iterator[RoutingLog]:
+    """Record every routing decision ``graphopt.moe``'s reference makes inside the block (the
+    eager target, or a graph run eagerly); other targets route inside their own kernels."""
+    log = RoutingLog()
+    _recording.append(log)
+    try:
+        yield log
+    finally:
+        _recording.remove(log)

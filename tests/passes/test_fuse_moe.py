@@ -141,3 +141,37 @@ def test_reference_matches_a_per_token_loop():
             h = sgu @ x[t]
             want[t] = acc + torch.sigmoid(sg @ x[t]) * (sd @ (torch.nn.functional.silu(h[:5]) * h[5:]))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_routing_log_counts_tokens_per_expert_and_top_k_set_changes():
+    from graphopt.ops.moe import record_routing
+
+    router = torch.eye(4, 8) * 10  # token t picks the experts of its two largest features 0..3
+    x1 = torch.tensor([[3.0, 2, 0, 0, 1, 1, 1, 1], [0, 0, 3, 2, 1, 1, 1, 1]])
+    x2 = torch.tensor([[2.0, 3, 0, 0, 1, 1, 1, 1], [0, 3, 2, 0, 1, 1, 1, 1]])  # row 0: same set; row 1: {2,3} -> {1,2}
+    gu, d = torch.randn(4, 6, 8), torch.randn(4, 8, 3)
+    with record_routing() as log:
+        for x in (x1, x2):
+            torch.ops.graphopt.moe(x, router, gu, d, 2, True)
+        torch.ops.graphopt.moe(torch.cat([x1, x2]), router, gu, d, 2, True)  # another batch size: not a step
+    # pairs: {0,1} {2,3} | {0,1} {1,2} | {0,1} {2,3} {0,1} {1,2}
+    assert log.tokens_per_expert() == [[4, 6, 4, 2]]
+    assert log.topk_change_rate() == [0.5]
+
+
+@pytest.mark.slow  # a compile and a short decode of a 2-layer Mixtral: minutes on the loaded CI machine
+def test_routing_log_follows_a_decode_loop_per_layer():
+    from graphopt.generation.api import generate
+    from graphopt.ops.moe import record_routing
+
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, **{**SMALL, "num_hidden_layers": 2})).eval()
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    with record_routing() as log:
+        generate(model, ids, 3, options={"target": "eager", "fallback": "error"})
+    counts = log.tokens_per_expert()
+    assert len(counts) == 2, "one entry per MoE layer"
+    # prefill routes 2 x 5 tokens, then 2 decode steps route 2 tokens each, top 2 of each
+    assert [sum(c) for c in counts] == [2 * (2 * 5 + 2 * 2)] * 2
+    assert all(r is not None and 0.0 <= r <= 1.0 for r in log.topk_change_rate())
