@@ -1,6 +1,6 @@
 """Time each graphopt Triton kernel against its torch reference on the GPU here.
 
-    python benchmarks/triton_kernels.py [--dtype fp16|bf16|fp32] [--only NAME ...]
+    python benchmarks/triton_kernels.py [--dtype fp16|bf16|fp32] [--only NAME ...] [--json PATH]
 
 Reports milliseconds for both, the speedup, and the kernel's achieved bandwidth as a
 fraction of this device's measured copy bandwidth (a large device-to-device copy): a
@@ -8,12 +8,17 @@ memory-bound kernel near 1.0 has nothing left to gain. Prefill attention is comp
 bound, so it also gets TFLOP/s. Then one end-to-end decode step of ``llama-small``
 (one new token over a 128-token KV cache) compiled with ``target="triton"`` (with
 Inductor, and with ``inductor=False``) against eager PyTorch, checked to match eager.
-Needs a CUDA or ROCm GPU; without one it prints one line and exits 0.
+``int4_gemm`` runs the GEMV (one token) and the 16-row decode at 4096 x 4096 (group 32):
+its bytes are the packed weight, the scales, x and the output. ``softmax_rms_norm`` also
+runs at the seed's width (D = 3584) against unfused torch (softmax, then the RMSNorm ops).
+``--json`` writes every row for scripts/gpu_check.sh. Needs a CUDA or ROCm GPU; without
+one it prints one line and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -38,7 +43,8 @@ def _nbytes(*ts: torch.Tensor) -> int:
 def cases(dtype: torch.dtype) -> list[Case]:
     import graphopt.ops  # noqa: F401  (registers the reference ops)
     from graphopt.backends.triton.kernels import activations, flash_attention, flash_decoding, kv_cache
-    from graphopt.backends.triton.kernels import layer_norm, rms_norm, rope
+    from graphopt.backends.triton.kernels import int4_gemm, layer_norm, rms_norm, rope
+    from graphopt.quantization import quantize_int4
 
     ops = torch.ops.graphopt
     dev = "cuda"
@@ -52,7 +58,23 @@ def cases(dtype: torch.dtype) -> list[Case]:
     qd, kd, vd = r(8, 32, 1, 128), r(8, 8, tokens, 128), r(8, 8, tokens, 128)
     cache, new, pos = r(8, 8, tokens, 128), r(8, 8, 512, 128), torch.tensor(1024, device=dev)
     row = f"[{tokens}, {hidden}]"
+    q4 = quantize_int4(torch.randn(hidden, hidden, device=dev) * 0.05, 32, True, "float16", "rtn")
+    w4 = (q4.packed, q4.scales, None, 32)
+    x1, x16 = r(1, hidden), r(16, hidden)
+    w4_bytes = _nbytes(q4.packed, q4.scales)
+    wide = r(tokens, 3584)  # the seed's Softmax+RMSNorm width
+
+    def unfused_softmax_rms_norm():  # what eager runs without the fusion: softmax, then RMSNorm's ops
+        p = torch.softmax(wide.float(), -1).to(dtype).float()
+        return (p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+
     return [
+        Case("int4_gemm", f"GEMV 1 x {hidden} x {hidden}, group 32", lambda: int4_gemm.int4_linear(x1, *w4),
+             lambda: ops.int4_linear(x1, *w4), w4_bytes + _nbytes(x1) * 2),
+        Case("int4_gemm", f"decode 16 x {hidden} x {hidden}, group 32", lambda: int4_gemm.int4_linear(x16, *w4),
+             lambda: ops.int4_linear(x16, *w4), w4_bytes + _nbytes(x16) * 2),
+        Case("softmax_rms_norm", f"[{tokens}, 3584] vs unfused torch",
+             lambda: rms_norm.softmax_rms_norm(wide, None, 1e-6), unfused_softmax_rms_norm, 2 * _nbytes(wide)),
         Case("rms_norm", row, lambda: rms_norm.rms_norm(x, w, 1e-6), lambda: ops.rms_norm(x, w, 1e-6),
              2 * _nbytes(x) + _nbytes(w)),
         Case("add_rms_norm", row, lambda: rms_norm.add_rms_norm(x, res, w, 1e-6),
@@ -127,11 +149,79 @@ def decode_step_rows(dtype: torch.dtype, do_bench, past: int = 128, name: str = 
     return rows
 
 
+def generate_rows(dtype: torch.dtype, prompt: int = 128, new_tokens: int = 64,
+                  name: str = "llama-small") -> list[dict]:
+    """llama-small through graphopt.generate on the triton target, with and without CUDA graph
+    capture, against the eager loop: token agreement, prefill ms, median decode ms/token, and
+    the peak memory of each decode step (its largest value and its spread over the steps:
+    a replayed graph should allocate nothing new per step). The last row divides the captured
+    step's time by the sum of its kernels' device time (profiled without capture)."""
+    import statistics
+
+    import graphopt
+    from graphopt import models
+    from graphopt.generation import generate_with_reference
+
+    model = models.build(name).to("cuda", dtype).eval()
+    ids = torch.randint(0, models.config_of(name).vocab_size, (1, prompt), device="cuda")
+    rows = []
+    for label, extra in (("captured", {}), ("not captured", {"disable_passes": ["cuda_graphs"]})):
+        torch._dynamo.reset()
+        graphopt.reset()
+        peaks: list[int] = []
+
+        def on_token(token, live):
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+        torch.cuda.reset_peak_memory_stats()
+        out, ref = generate_with_reference(model, ids, new_tokens, options={"target": "triton", **extra})
+        graphopt.generate(model, ids, new_tokens, options={"target": "triton", **extra}, on_token=on_token)
+        steady = peaks[len(peaks) // 4:]  # the first steps compile and warm up
+        n = min(out.new_tokens.shape[1], ref.new_tokens.shape[1])  # a row may stop early at its EOS
+        same = (out.new_tokens[:, :n] == ref.new_tokens[:, :n]).float().mean().item()
+        rows.append(dict(section="llama-small triton", name=f"decode, {label}", tokens_equal=f"{same:.2f}",
+                         prefill_ms=out.prefill_ms, eager_prefill_ms=ref.prefill_ms,
+                         ms_per_token=statistics.median(out.ms_per_token),
+                         eager_ms_per_token=statistics.median(ref.ms_per_token),
+                         peak_mib=max(steady) / 2**20, peak_spread_mib=(max(steady) - min(steady)) / 2**20,
+                         cuda_graphs=out.cuda_graphs or "-"))
+    rows.append(dict(section="llama-small triton", name="captured step / sum of its kernels",
+                     ratio=rows[0]["ms_per_token"] / kernel_ms_per_step(model, ids, new_tokens)))
+    return rows
+
+
+def kernel_ms_per_step(model, ids, new_tokens: int) -> float:
+    """Device time of one uncaptured decode step: the sum of its kernels (torch.profiler).
+
+    Two runs of different lengths, differenced, so the prefill's kernels cancel out.
+    """
+    import graphopt
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    graphopt.reset()
+    options = {"target": "triton", "disable_passes": ["cuda_graphs"]}
+    graphopt.generate(model, ids, 4, options=options)  # compile outside the profiles
+
+    def kernel_ms(n: int) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphopt.generate(model, ids, n, options=options)
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+    short = max(2, new_tokens // 4)
+    return (kernel_ms(new_tokens) - kernel_ms(short)) / (new_tokens - short)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=["fp16", "bf16", "fp32"], default="fp16")
     parser.add_argument("--only", nargs="*", help="kernel names to run (default: all)")
     parser.add_argument("--no-decode-step", action="store_true", help="skip the llama-small decode step")
+    parser.add_argument("--generate", action="store_true",
+                        help="also decode llama-small through graphopt.generate, with and without CUDA graphs")
+    parser.add_argument("--json", help="also write every row to this file (scripts/gpu_check.sh reads it)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("triton_kernels: no CUDA or ROCm GPU here; nothing to benchmark.")
@@ -147,10 +237,19 @@ def main(argv: list[str] | None = None) -> int:
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     peak = copy_bandwidth(do_bench)
     vendor = "ROCm" if torch.version.hip else "CUDA"
-    table = Table(title=f"graphopt Triton kernels, {args.dtype}, {torch.cuda.get_device_name()} ({vendor}); "
-                        f"copy bandwidth {peak / 1e9:.0f} GB/s")
+    device = f"{torch.cuda.get_device_name()} ({vendor})"
+    table = Table(title=f"graphopt Triton kernels, {args.dtype}, {device}; copy bandwidth {peak / 1e9:.0f} GB/s")
     for col in ("kernel", "shape", "triton ms", "torch ms", "speedup", "GB/s", "of copy BW", "TFLOP/s"):
         table.add_column(col, justify="left" if col in ("kernel", "shape") else "right")
+    records = []
+
+    def record(row: dict) -> None:  # written as it comes, so a run cut short by a timeout keeps its rows
+        records.append(row)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(records, fh, indent=1, default=str)
+
+    record(dict(section="device", name=device, copy_gb_s=peak / 1e9))
     for case in cases(dtype):
         if args.only and case.name not in args.only:
             continue
@@ -160,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         tflops = f"{case.flops / (t_ms * 1e-3) / 1e12:.1f}" if case.flops else "-"
         table.add_row(case.name, case.shape, f"{t_ms:.3f}", f"{ref_ms:.3f}", f"{ref_ms / t_ms:.2f}x",
                       f"{bw / 1e9:.0f}", f"{bw / peak:.2f}", tflops)
+        record(dict(section="kernels", name=case.name, shape=case.shape, triton_ms=t_ms, torch_ms=ref_ms,
+                            of_copy_bw=bw / peak))
     Console().print(table)
     if not args.no_decode_step:
         e2e = Table(title=f"llama-small decode step (batch 1, 128-token cache), {args.dtype}")
@@ -167,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
             e2e.add_column(col, justify="right" if col in ("ms", "speedup", "rel err vs eager") else "left")
         for row in decode_step_rows(dtype, do_bench):
             e2e.add_row(*row)
+            record(dict(section="llama-small decode step", name=row[0], ms=row[1], rel_err=row[3]))
         Console().print(e2e)
+    if args.generate:
+        for row in generate_rows(dtype):
+            record(row)
+            Console().print(row)
     return 0
 
 
