@@ -141,7 +141,8 @@ from graphopt.backends.triton import aot
 results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for arch in sys.argv[2:]]
 print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
                        functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
-                                       bits=f.global_load_bits, async_copies=f.async_copies)
+                                       bits=f.global_load_bits, async_copies=f.async_copies,
+                                       byte_loads=f.details.get("global_loads_8b", 0))
                                   for f in r.functions]) for r in results]))
 """
 
@@ -176,6 +177,9 @@ def test_builds_ahead_of_time(builds, arch):
     assert len(r["functions"]) == len(int4_gemm.aot_specs("int4_gemm", warp)) + n_tuning
     for f in r["functions"]:
         assert f["registers"] and f["spills"] == 0, f"{f['label'] or 'spec'} on {arch} spills {f['spills']} bytes"
+        # No byte-wide loads anywhere: the packed weight (the only u8 tensor read on the
+        # group-aligned path) moves in vectors, in every config the tuner may pick.
+        assert f["byte_loads"] == 0, f
         assert f["shared"] <= aot.MAX_SHARED[arch], f
     # The representative builds (GEMV, MMA paths, reduction) load in 128-bit vectors on every
     # arch: the weight bytes carry no per-k mask on the group-aligned path.
