@@ -56,3 +56,12 @@ def test_wrong_input_count_is_one_line(runner_and_inputs):
     session, _, inputs = runner_and_inputs
     with pytest.raises(ValueError, match="takes 2 inputs, got 1"):
         SessionRunner(session)(inputs[0])
+
+
+def test_a_session_does_not_keep_the_model_bytes(runner_and_inputs):
+    """ORT's Python session would hold the serialized model (every weight again) for its whole
+    life; graphopt drops that copy, and the session still runs."""
+    session, module, inputs = runner_and_inputs
+    assert getattr(session, "_model_bytes", None) is None
+    for got, want in zip(SessionRunner(session)(*inputs), module(*inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
