@@ -115,6 +115,8 @@ _ENTRIES = [
                 notes="prefill: any Sq"),
     KernelEntry("flash_decoding", "graphopt.attention", "flash_decoding", "flash_decoding",
                 notes="decode: Sq == 1; split kernel + reduction kernel"),
+    KernelEntry("cache_attention", "graphopt.cache_attention", "flash_decoding", "cache_attention",
+                notes="decode over a static cache: split-K bounded by per-row lengths, paged and int8 read in place"),
     KernelEntry("kv_cache_update", "graphopt.kv_cache_update", "kv_cache", "kv_cache_update",
                 notes="in place; bhsd, bshd and paged layouts, int8 with per-token scales"),
     KernelEntry("int4_gemm", "graphopt.int4_linear", "int4_gemm", "int4_linear",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from graphopt.ops._library import register
 from graphopt.ops.kv_cache import LAYOUTS, cache_length, read_cache
@@ -110,19 +112,8 @@ def check_cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: 
 def _traced(t: Tensor) -> bool:
     """True while ``t`` has no values to read: fake tensors (passes, make_fx, decomposition),
     dynamo, or a CUDA graph being captured (a host read there would break the capture)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     capturing = t.is_cuda and torch.cuda.is_current_stream_capturing()
     return is_fake(t) or torch.compiler.is_compiling() or capturing
-
-
-def valid_bound(lengths: Tensor, full: int) -> int:
-    """Key positions the batch needs: the longest row, read on the host (one read per call;
-    on the CPU that is no sync at all). While tracing or capturing it is the whole buffer,
-    and the per-row mask alone bounds what attention sees."""
-    if _traced(lengths):
-        return full
-    return max(0, min(int(lengths.max()), full))
 
 
 @torch.library.custom_op("graphopt::cache_attention", mutates_args=())
@@ -149,20 +140,30 @@ def cache_attention(
     (graphopt/ops/kv_cache.py): a kernel reads the bytes as stored. ``is_causal`` aligns the
     queries to each row's end (query i of row b sits at ``lengths[b] - Sq + i``); ``mask``
     broadcasts to [B, Hq, Sq, S_max] over the whole buffer and is read over the same
-    positions. This reference slices the caches to the longest row (:func:`valid_bound`), so
-    decode step t costs O(t), and masks the shorter rows (zeroing their tails, so garbage
-    past a row's length never reaches its output).
+    positions. This reference slices the caches to the longest row, read on the host (one
+    read per call, which on the CPU is no sync at all), so decode step t costs O(t), and
+    masks the shorter rows (zeroing their tails, so garbage past a row's length never
+    reaches its output). While tracing or capturing a CUDA graph nothing can be read on the
+    host: it masks the whole buffer instead, which computes the same.
     """
     check_cache_attention(q, k_cache, v_cache, lengths, layout, block_table, k_scales, v_scales)
     full = cache_length(k_cache, layout, block_table)
-    bound = valid_bound(lengths, full)
+    traced = _traced(lengths)
+    bound = full if traced else max(0, min(int(lengths.max()), full))
+    # Every row as long as the bound (always so at batch 1): nothing to mask.
+    uniform = not traced and (lengths.numel() == 1 or int(lengths.min()) >= bound)
     k = read_cache(k_cache, layout, block_table, k_scales, length=bound)
     v = read_cache(v_cache, layout, block_table, v_scales, length=bound)
     if k_scales is not None and q.dtype != torch.float32:
         k, v = k.to(q.dtype), v.to(q.dtype)
+    if uniform and mask is None and softcap == 0.0 and (q.shape[2] == 1 or not is_causal) and bound > 0:
+        # The decode step's case: torch's fused CPU/GPU attention, no mask to build (a query at
+        # the row's end sees every valid key). Each call is a few dozen microseconds cheaper than
+        # the masked form, which matters at the sizes where decoding is bound by overheads.
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
     cols = torch.arange(bound, device=q.device)
     ends = lengths.to(q.device, torch.long).view(-1, 1, 1, 1)
-    if not _traced(lengths) and int(lengths.min()) < bound:
+    if not traced and not uniform:
         # Rows shorter than the longest: their zero-probability tail must not be garbage
         # (0 * nan is nan), so it is zeroed. Only ragged batches pay; traced graphs keep the
         # plain mask and rely on the buffer's tail being finite (zeros, or earlier tokens).

@@ -8,6 +8,16 @@ kernel weighs the splits by exp(lse - max) and sums them. A soft cap on the scor
 prefill kernel's (``capped_scores``), behind the same constexpr. Query heads are padded to
 16 rows because tl.dot needs M >= 16; decoding is bound by the K/V reads, not by
 the wasted MMA rows.
+
+Over a static cache (``graphopt.cache_attention``) the same kernels take per-row valid
+lengths from device memory (so one launch, or one CUDA graph, serves every step): a split
+wholly past its row's length loads nothing and stores nothing, the others stop at the
+length, and the reduction reads only the splits below it, so step t reads t positions,
+not the buffer's max_length (vLLM's paged decode kernel bounds its partitions the same
+way). The cache is read as stored: through the block table for the paged layout (each
+key's block looked up, no dense copy), and as int8 with per-token scales, dequantized in
+the load loop (the K scale multiplies the scores, the V scale the probabilities), so an
+int8 cache moves a quarter of fp32's K/V bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +28,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from graphopt.ops.attention import check_cache_attention
+from graphopt.ops.kv_cache import cache_length
 
 from . import _common
 from ._device import dot
@@ -32,13 +45,22 @@ def flash_decoding_split_kernel(
     mask_ptr,     # *M mask broadcast to [B, Hq, 1, Skv] by strides; u8 (1 = attend) or additive float
     o_part_ptr,   # *fp32 [B, Hq, num_splits, Dv] each split's normalised partial output
     lse_ptr,      # *fp32 [B, Hq, num_splits] each split's log2-sum-exp2 (-inf if it saw no key)
+    lengths_ptr,  # *i32/i64 [B] valid keys per row; read only if LENGTHS
+    table_ptr,    # *i32/i64 [B, blocks_per_seq] block table; read only if PAGED
+    ks_ptr,       # *fp32 per-token K scales, laid out like k with D = 1; read only if QUANT
+    vs_ptr,       # *fp32 per-token V scales, likewise
     stride_qb, stride_qh,             # i32 element strides of q
-    stride_kb, stride_kh, stride_ks,  # i32 element strides of k
-    stride_vb, stride_vh, stride_vs,  # i32 element strides of v
+    stride_kb, stride_kh, stride_ks,  # i32 element strides of k (PAGED: block, head, slot)
+    stride_vb, stride_vh, stride_vs,  # i32 element strides of v (likewise)
     stride_mb, stride_mh, stride_mk,  # i32 mask strides, 0 on broadcast dims
+    stride_lb,    # i32 stride of lengths (0 when one length serves every row)
+    stride_tb,    # i32 row stride of the block table
+    stride_ksb, stride_ksh, stride_kss,  # i32 strides of the K scales
+    stride_vsb, stride_vsh, stride_vss,  # i32 strides of the V scales
+    block_size,   # i32 positions per paged block (PAGED)
     n_kv_heads,   # i32 Hkv
     group,        # i32 Hq / Hkv: query heads per KV head
-    kv_len,       # i32 Skv
+    kv_len,       # i32 Skv: positions the buffer holds per row
     head_dim,     # i32 D
     v_dim,        # i32 Dv
     split_len,    # i32 keys per split, a multiple of BLOCK_N
@@ -47,6 +69,9 @@ def flash_decoding_split_kernel(
     cap_log2e,    # fp32 cap * log2(e) if SOFTCAP, else unused
     MASK_KIND: tl.constexpr,  # 0 no mask, 1 boolean (u8), 2 additive
     SOFTCAP: tl.constexpr,    # cap the scaled scores with tanh before the mask
+    LENGTHS: tl.constexpr,    # bound each row by lengths[b] (a static cache), else by kv_len
+    PAGED: tl.constexpr,      # look each key's block up in the block table
+    QUANT: tl.constexpr,      # int8 K/V with per-token scales
     BLOCK_G: tl.constexpr,    # power of two >= group, >= 16 for tl.dot
     BLOCK_N: tl.constexpr,    # keys per loop step
     BLOCK_D: tl.constexpr,    # power of two >= D (>= 16 for tl.dot)
@@ -65,20 +90,51 @@ def flash_decoding_split_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=g_valid[:, None] & (offs_d[None, :] < head_dim), other=0.0)
-    k_base = k_ptr + b * stride_kb + kvh * stride_kh
-    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    if LENGTHS:
+        row_len = tl.minimum(tl.load(lengths_ptr + b * stride_lb).to(tl.int32), kv_len)
+    else:
+        row_len = kv_len
     mask_base = mask_ptr + b * stride_mb + heads[:, None] * stride_mh
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    ks_base = ks_ptr + kvh * stride_ksh
+    vs_base = vs_ptr + kvh * stride_vsh
+    if not PAGED:  # the row's own buffer; a paged key finds its block in the loop
+        k_base += b * stride_kb
+        v_base += b * stride_vb
+        ks_base += b * stride_ksb
+        vs_base += b * stride_vsb
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
     lo = split * split_len
-    hi = tl.minimum(lo + split_len, kv_len)
+    # A split past its row's length runs no iteration: it reads no K/V and stores nothing.
+    hi = tl.minimum(lo + split_len, row_len)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         n_valid = cols < hi
-        kt = tl.load(k_base + cols[None, :] * stride_ks + offs_d[:, None],
+        if PAGED:
+            blk = tl.load(table_ptr + b * stride_tb + cols // block_size, mask=n_valid, other=0).to(tl.int64)
+            slot = cols % block_size
+            k_off = blk * stride_kb + slot * stride_ks
+            v_off = blk * stride_vb + slot * stride_vs
+            ks_off = blk * stride_ksb + slot * stride_kss
+            vs_off = blk * stride_vsb + slot * stride_vss
+        else:
+            k_off = cols * stride_ks
+            v_off = cols * stride_vs
+            ks_off = cols * stride_kss
+            vs_off = cols * stride_vss
+        kt = tl.load(k_base + k_off[None, :] + offs_d[:, None],
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
-        s = capped_scores(dot(q, kt, DOT_F32), qk_scale, cap_log2e, SOFTCAP)
+        if QUANT:
+            # int8 is exact in every float type; its scale multiplies the raw scores instead.
+            qk = dot(q, kt.to(q.dtype), DOT_F32)
+            k_scale = tl.load(ks_base + ks_off, mask=n_valid, other=0.0)
+            qk = qk * k_scale[None, :]
+        else:
+            qk = dot(q, kt, DOT_F32)
+        s = capped_scores(qk, qk_scale, cap_log2e, SOFTCAP)
         s = tl.where(n_valid[None, :], s, float("-inf"))
         if MASK_KIND != 0:
             mvals = tl.load(mask_base + cols[None, :] * stride_mk, mask=g_valid[:, None] & n_valid[None, :], other=0)
@@ -92,18 +148,27 @@ def flash_decoding_split_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + cols[:, None] * stride_vs + offs_dv[None, :],
+        v = tl.load(v_base + v_off[:, None] + offs_dv[None, :],
                     mask=n_valid[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
+        if QUANT:
+            # sum_j p_j * (s_j * v_j) = sum_j (p_j * s_j) * v_j: the V scale weighs the probabilities.
+            v_scale = tl.load(vs_base + vs_off, mask=n_valid, other=0.0)
+            acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), DOT_F32)
+        else:
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
     seen = l_i > 0.0
     # A split that saw no key contributes weight exp2(-inf) = 0 in the reduction.
     lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     row = (b * n_kv_heads * group + heads) * num_splits + split  # (b, head, split) in [B, Hq, splits]
-    tl.store(lse_ptr + row, lse, mask=g_valid)
+    if LENGTHS:  # a split past the row's length stores nothing: the reduction never reads it
+        live = g_valid & ((g * 0 + lo) < row_len)
+    else:
+        live = g_valid
+    tl.store(lse_ptr + row, lse, mask=live)
     tl.store(o_part_ptr + row[:, None] * v_dim + offs_dv[None, :], o,
-             mask=g_valid[:, None] & (offs_dv[None, :] < v_dim))
+             mask=live[:, None] & (offs_dv[None, :] < v_dim))
 
 
 @triton.jit
@@ -111,10 +176,15 @@ def flash_decoding_reduce_kernel(
     o_part_ptr,   # *fp32 [B, Hq, num_splits, Dv] partial outputs of the split kernel
     lse_ptr,      # *fp32 [B, Hq, num_splits] their log2-sum-exp2
     out_ptr,      # *T [B, Hq, 1, Dv] output
+    lengths_ptr,  # *i32/i64 [B] valid keys per row; read only if LENGTHS
     stride_ob, stride_oh,  # i32 element strides of out
+    stride_lb,    # i32 stride of lengths
     n_q_heads,    # i32 Hq
     num_splits,   # i32 splits per head
+    split_len,    # i32 keys per split
+    kv_len,       # i32 positions the buffer holds per row
     v_dim,        # i32 Dv
+    LENGTHS: tl.constexpr,   # read only the splits below lengths[b]
     BLOCK_S: tl.constexpr,   # power of two >= num_splits
     BLOCK_DV: tl.constexpr,  # power of two >= Dv
 ):
@@ -123,7 +193,12 @@ def flash_decoding_reduce_kernel(
     h = bh % n_q_heads
     splits = tl.arange(0, BLOCK_S)
     offs_dv = tl.arange(0, BLOCK_DV)
-    s_valid = splits < num_splits
+    if LENGTHS:
+        row_len = tl.minimum(tl.load(lengths_ptr + b * stride_lb).to(tl.int32), kv_len)
+        used = tl.minimum((row_len + split_len - 1) // split_len, num_splits)
+    else:
+        used = num_splits
+    s_valid = splits < used
     lse = tl.load(lse_ptr + bh * num_splits + splits, mask=s_valid, other=float("-inf"))
     # If every split is -inf (no visible key) this is nan, as the reference's softmax is.
     w = tl.exp2(lse - tl.max(lse, axis=0))
@@ -145,9 +220,20 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
     return [triton.Config({}, num_warps=threads // warp, num_stages=st) for threads in (128, 256) for st in stages]
 
 
+def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
+    """On AMD the int8 cache keeps only 256 threads without software pipelining: the
+    dequantizing loads spill at 128 threads or 2 stages on gfx942 (head dim 128). NVIDIA
+    keeps every config. ``warp`` sizes another vendor's configs ahead of time."""
+    hip = warp == 64 if warp is not None else _common.is_hip()
+    if hip and {**named_args, **kwargs}.get("QUANT"):
+        return [c for c in configs if c.num_warps * 64 == 256 and c.num_stages == 1]
+    return configs
+
+
 flash_decoding_split_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, triton.Config({}, num_warps=1, num_stages=1)),
-    key=["head_dim", "v_dim", "BLOCK_G", "MASK_KIND", "SOFTCAP"])(flash_decoding_split_kernel)
+    key=["head_dim", "v_dim", "BLOCK_G", "MASK_KIND", "SOFTCAP", "LENGTHS", "PAGED", "QUANT"],
+    prune_configs_by={"early_config_prune": prune_configs})(flash_decoding_split_kernel)
 
 
 def default_num_splits(batch_kv_heads: int, kv_len: int, device: torch.device) -> int:
@@ -168,8 +254,49 @@ def flash_decoding(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
     if q.shape[2] != 1:
         raise ValueError(f"flash_decoding takes one query per head, got Sq = {q.shape[2]}")
     q, k, v = unit_last(q, k, v)
+    strides = (k.stride()[:3], v.stride()[:3])
+    return _decode(q, k, v, strides, k.shape[1], k.shape[2], v.shape[-1], mask, scale, softcap, num_splits, out)
+
+
+def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, layout: str = "bhsd",
+                    block_table: Tensor | None = None, k_scales: Tensor | None = None, v_scales: Tensor | None = None,
+                    mask: Tensor | None = None, scale: float | None = None, is_causal: bool = False,
+                    softcap: float = 0.0, *, num_splits: int | None = None, out: Tensor | None = None) -> Tensor:
+    """``graphopt.cache_attention`` for one query per head: split-K decoding bounded by each
+    row's ``lengths[b]``, reading the caches in their layout and dtype (no dense copy).
+
+    Splits are sized from the buffer (a host value, so the launch is the same every step and
+    CUDA-graph capturable); those past a row's length read nothing. A chunk of several
+    queries (prefill) is refused with a ValueError, so its graph runs the reference.
+    """
+    check_cache_attention(q, k_cache, v_cache, lengths, layout, block_table, k_scales, v_scales)
+    if q.shape[2] != 1:
+        raise ValueError(f"the cache_attention kernel decodes one query per head, got Sq = {q.shape[2]}")
+    # One query at position lengths[b] - 1 sees every valid key: is_causal changes nothing.
+    q, k_cache, v_cache = unit_last(q, k_cache, v_cache)
+    if layout == "bshd":  # [B, S, H, D]: walk the sequence with stride 1 and heads with stride 2
+        strides = tuple((t.stride(0), t.stride(2), t.stride(1)) for t in (k_cache, v_cache))
+        scale_strides = tuple((t.stride(0), t.stride(2), t.stride(1)) if t is not None else (0, 0, 0)
+                              for t in (k_scales, v_scales))
+        heads = k_cache.shape[2]
+    else:  # bhsd, and paged blocks [N, H, block, D] with the block index in place of the batch
+        strides = (k_cache.stride()[:3], v_cache.stride()[:3])
+        scale_strides = tuple(t.stride()[:3] if t is not None else (0, 0, 0) for t in (k_scales, v_scales))
+        heads = k_cache.shape[1]
+    full = cache_length(k_cache, layout, block_table)
+    if lengths.device != q.device:
+        raise ValueError(f"lengths live on {lengths.device}, the caches on {q.device}; keep them together")
+    return _decode(q, k_cache, v_cache, strides, heads, full, v_cache.shape[-1], mask, scale, softcap, num_splits,
+                   out, lengths=lengths, block_table=block_table if layout == "paged" else None,
+                   block_size=k_cache.shape[2] if layout == "paged" else 1, scales=(k_scales, v_scales),
+                   scale_strides=scale_strides)
+
+
+def _decode(q, k, v, strides, n_kv_heads, kv_len, v_dim, mask, scale, softcap, num_splits, out, *, lengths=None,
+            block_table=None, block_size=1, scales=(None, None), scale_strides=((0, 0, 0), (0, 0, 0))) -> Tensor:
+    """Launch the split and reduction kernels; ``k``/``v`` are addressed by ``strides`` of (batch or
+    block, head, position or slot) and hold ``kv_len`` positions per row."""
     bsz, n_q_heads, _, head_dim = q.shape
-    n_kv_heads, kv_len, v_dim = k.shape[1], k.shape[2], v.shape[-1]
     group = n_q_heads // n_kv_heads
     out = _common.output(out, (bsz, n_q_heads, 1, v_dim), q.dtype, q.device)
     if out.numel() == 0:
@@ -186,44 +313,71 @@ def flash_decoding(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, 
     lse = torch.empty((bsz, n_q_heads, num_splits), dtype=torch.float32, device=q.device)
     m, kind, ms = _common.mask_args(mask, (bsz, n_q_heads, 1, kv_len), q)
     block_dv = max(16, _common.next_pow2(v_dim))
+    has_len, paged, quant = lengths is not None, block_table is not None, scales[0] is not None
+    lens = lengths if has_len else lse  # unread dummies for the pointer arguments off in this launch
+    table = block_table if paged else lse
+    ks, vs = scales if quant else (lse, lse)
+    stride_lb = lengths.stride(0) if has_len else 0
     flash_decoding_split_tuned[(bsz * n_kv_heads, num_splits)](
-        q, k, v, m, o_part, lse, q.stride(0), q.stride(1), *k.stride()[:3], *v.stride()[:3], ms[0], ms[1], ms[3],
-        n_kv_heads, group, kv_len, head_dim, v_dim, split_len, num_splits, *score_scales(float(scale), float(softcap)),
-        MASK_KIND=kind, SOFTCAP=softcap > 0.0, BLOCK_G=max(16, _common.next_pow2(group)), BLOCK_N=BLOCK_N,
+        q, k, v, m, o_part, lse, lens, table, ks, vs, q.stride(0), q.stride(1), *strides[0], *strides[1],
+        ms[0], ms[1], ms[3], stride_lb, block_table.stride(0) if paged else 0, *scale_strides[0],
+        *scale_strides[1], block_size, n_kv_heads, group, kv_len, head_dim, v_dim, split_len, num_splits,
+        *score_scales(float(scale), float(softcap)),
+        MASK_KIND=kind, SOFTCAP=softcap > 0.0, LENGTHS=has_len, PAGED=paged, QUANT=quant,
+        BLOCK_G=max(16, _common.next_pow2(group)), BLOCK_N=BLOCK_N,
         BLOCK_D=max(16, _common.next_pow2(head_dim)), BLOCK_DV=block_dv,
         DOT_F32=_common.interpreting() and q.dtype == torch.bfloat16,
     )
     flash_decoding_reduce_kernel[(bsz * n_q_heads,)](
-        o_part, lse, out, out.stride(0), out.stride(1), n_q_heads, num_splits, v_dim,
-        BLOCK_S=_common.next_pow2(num_splits), BLOCK_DV=block_dv, num_warps=1 if _common.interpreting() else 2,
+        o_part, lse, out, lens, out.stride(0), out.stride(1), stride_lb, n_q_heads, num_splits, split_len, kv_len,
+        v_dim, LENGTHS=has_len, BLOCK_S=_common.next_pow2(num_splits), BLOCK_DV=block_dv,
+        num_warps=1 if _common.interpreting() else 2,
     )
     return out
 
 
 def aot_specs(name: str, warp: int) -> list[dict]:
-    """fp16, head dim 128, GQA group 8 (Llama-3 8B), boolean mask; then the reduction over 16 splits;
-    then the split kernel again with Gemma2's soft cap.
+    """``flash_decoding``: fp16, head dim 128, GQA group 8 (Llama-3 8B), boolean mask; then the
+    reduction over 16 splits; then the split kernel again with Gemma2's soft cap.
+    ``cache_attention``: the split kernel bounded by per-row lengths over an int8 paged cache
+    (block table, per-token scales), the bounded reduction, then over an fp16 bhsd cache.
 
     As the JIT would see it: the mask's key stride is 1 (pinned), the other strides, the
     head dims and the split length are multiples of 16.
     """
     sig = {"q_ptr": "*fp16", "k_ptr": "*fp16", "v_ptr": "*fp16", "mask_ptr": "*u8", "o_part_ptr": "*fp32",
-           "lse_ptr": "*fp32"}
+           "lse_ptr": "*fp32", "lengths_ptr": "*fp32", "table_ptr": "*fp32", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
     for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb", "stride_vh",
-              "stride_vs", "stride_mb", "stride_mh", "stride_mk", "n_kv_heads", "group", "kv_len", "head_dim",
-              "v_dim", "split_len", "num_splits"):
+              "stride_vs", "stride_mb", "stride_mh", "stride_mk", "stride_lb", "stride_tb", "stride_ksb",
+              "stride_ksh", "stride_kss", "stride_vsb", "stride_vsh", "stride_vss", "block_size", "n_kv_heads",
+              "group", "kv_len", "head_dim", "v_dim", "split_len", "num_splits"):
         sig[n] = "i32"
     sig["qk_scale"] = sig["cap_log2e"] = "fp32"
+    off = {"LENGTHS": False, "PAGED": False, "QUANT": False}
+    divisible = tuple(n for n in ("stride_qb", "stride_qh", "stride_kb", "stride_kh", "stride_ks", "stride_vb",
+                                  "stride_vh", "stride_vs", "stride_mb", "stride_mh")) + ("head_dim", "v_dim",
+                                                                                         "split_len")
     split = dict(fn=flash_decoding_split_kernel, signature=sig,
-                 constexprs={"MASK_KIND": 1, "SOFTCAP": False, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128, "BLOCK_DV": 128,
-                             "DOT_F32": False, "stride_mk": 1},
-                 num_warps=128 // warp, num_stages=3 if warp == 32 else 2,
-                 divisible=tuple(n for n in sig if n.startswith("stride") and n != "stride_mk")
-                 + ("head_dim", "v_dim", "split_len"))
-    reduce_sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*fp16", "stride_ob": "i32",
-                  "stride_oh": "i32", "n_q_heads": "i32", "num_splits": "i32", "v_dim": "i32"}
+                 constexprs={"MASK_KIND": 1, "SOFTCAP": False, **off, "BLOCK_G": 16, "BLOCK_N": 64, "BLOCK_D": 128,
+                             "BLOCK_DV": 128, "DOT_F32": False, "stride_mk": 1},
+                 num_warps=128 // warp, num_stages=3 if warp == 32 else 2, divisible=divisible)
+    reduce_sig = {"o_part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*fp16", "lengths_ptr": "*fp32",
+                  "stride_ob": "i32", "stride_oh": "i32", "stride_lb": "i32", "n_q_heads": "i32",
+                  "num_splits": "i32", "split_len": "i32", "kv_len": "i32", "v_dim": "i32"}
     reduce = dict(fn=flash_decoding_reduce_kernel, signature=reduce_sig,
-                  constexprs={"BLOCK_S": 16, "BLOCK_DV": 128}, num_warps=max(1, 64 // warp), num_stages=1,
-                  divisible=("stride_ob", "stride_oh", "v_dim"))
+                  constexprs={"LENGTHS": False, "BLOCK_S": 16, "BLOCK_DV": 128}, num_warps=max(1, 64 // warp),
+                  num_stages=1, divisible=("stride_ob", "stride_oh", "v_dim"))
+    if name == "cache_attention":
+        cache_sig = {**sig, "k_ptr": "*i8", "v_ptr": "*i8", "lengths_ptr": "*i64", "table_ptr": "*i64"}
+        bounded = {"MASK_KIND": 0, "LENGTHS": True, "PAGED": True, "QUANT": True, "stride_lb": 1}
+        int8_paged = {**split, "signature": cache_sig, "constexprs": {**split["constexprs"], **bounded},
+                      "divisible": divisible + ("block_size",), "label": "int8 paged",
+                      **({"num_warps": 4, "num_stages": 1} if warp == 64 else {})}  # what prune_configs leaves AMD
+        bounded_reduce = {**reduce, "signature": {**reduce_sig, "lengths_ptr": "*i64"},
+                          "constexprs": {**reduce["constexprs"], "LENGTHS": True}, "label": "bounded"}
+        fp16_bhsd = {**split, "signature": {**sig, "lengths_ptr": "*i64"},
+                     "constexprs": {**split["constexprs"], "MASK_KIND": 0, "LENGTHS": True, "stride_lb": 1},
+                     "label": "fp16 bhsd"}
+        return [int8_paged, bounded_reduce, fp16_bhsd]
     capped = {**split, "constexprs": {**split["constexprs"], "SOFTCAP": True}, "label": "softcap"}
     return [split, reduce, capped]

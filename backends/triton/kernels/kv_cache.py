@@ -82,10 +82,12 @@ def gpu_configs(hip: bool) -> list[triton.Config]:
             for bs in (1, 4, 16) for threads in (128, 256)]
 
 
-# The update is idempotent, so benchmarking configs on the live cache is harmless.
+# The update is idempotent, so benchmarking configs on the live cache is harmless. The
+# number of new tokens is in the key: a prompt of hundreds and a decode step of one want
+# different BLOCK_S, and the first call's choice must not stick to the other.
 kv_cache_update_tuned = triton.autotune(
     configs=_common.pick_configs(gpu_configs, triton.Config({"BLOCK_S": 4}, num_warps=1, num_stages=1)),
-    key=["head_dim", "PAGED", "QUANT"])(kv_cache_update_kernel)
+    key=["head_dim", "new_len", "PAGED", "QUANT"])(kv_cache_update_kernel)
 
 
 def kv_cache_update(cache: Tensor, new: Tensor, pos: Tensor | int, layout: str = "bhsd",

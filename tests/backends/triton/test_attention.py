@@ -197,3 +197,63 @@ def test_amd_capped_prefill_tunes_only_tiles_that_do_not_spill():
     assert kept and all(c.kwargs["BLOCK_N"] == 32 for c in kept) and len(kept) < len(amd)
     assert fa.prune_configs(amd, {"SOFTCAP": False}, warp=64) == amd
     assert fa.prune_configs(nvidia, {}, warp=32, SOFTCAP=True) == nvidia
+
+
+# ---------------------------------------------------------------- decoding over a static cache
+
+def _static_cache(layout, int8, dtype, lengths, max_len=48, heads=2, d=16, block=8, seed=0):
+    """K and V buffers holding lengths[b] random tokens per row, poisoned past them: NaN in a
+    float cache, NaN in an int8 cache's scales, so any read past a length shows in the output."""
+    from graphopt.ops.kv_cache import cache_shape, kv_cache_update
+
+    gen = torch.Generator().manual_seed(seed)
+    b = len(lengths)
+    shape = cache_shape(layout, b, heads, max_len, d, block)
+    table = torch.randperm(shape[0], generator=gen).view(b, -1) if layout == "paged" else None
+    caches, scales = [], []
+    for _ in range(2):
+        cache = torch.full(shape, 99, dtype=torch.int8) if int8 else torch.full(shape, float("nan"), dtype=dtype)
+        s = torch.full((*shape[:3], 1), float("nan")) if int8 else None
+        for row, n in enumerate(lengths):
+            new = torch.randn(1, heads, n, d, generator=gen).to(dtype)
+            if layout == "paged":
+                kv_cache_update(cache, new, torch.tensor(0), layout, table[row:row + 1], s)
+            else:
+                kv_cache_update(cache[row:row + 1], new, torch.tensor(0), layout, None,
+                                None if s is None else s[row:row + 1])
+        caches.append(cache)
+        scales.append(s)
+    return caches, scales, table
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "paged"])
+def test_cache_attention_reads_each_row_up_to_its_length(layout, int8, dtype):
+    """Rows of 5 and 37 valid keys in a 48-position buffer, 3 splits of 16: row 0 needs one
+    split, row 1 all three, the last one partly; every position past a length is poison."""
+    lengths = torch.tensor([5, 37])
+    (kc, vc), (ks, vs), table = _static_cache(layout, int8, dtype, lengths.tolist())
+    q = randn(2, 8, 1, 16, dtype=dtype)
+    out = poisoned((2, 8, 1, 16), dtype)
+    got = fd.cache_attention(q, kc, vc, lengths, layout, table, ks, vs, num_splits=3, out=out)
+    assert got is out and torch.isfinite(got).all(), "read a position past a row's length"
+    assert_matches(got, ops.cache_attention(q, kc, vc, lengths, layout, table, ks, vs))
+
+
+def test_cache_attention_takes_one_length_for_every_row_and_a_mask():
+    """The graph's lengths are (pos + 1).expand(B): stride 0; a boolean mask over the buffer."""
+    (kc, vc), _, _ = _static_cache("bhsd", False, torch.float32, [20, 20])
+    kc, vc = kc.nan_to_num(5.0), vc.nan_to_num(5.0)  # the mask, not the length, is what is tested here
+    lengths = torch.tensor(20).expand(2)
+    mask = torch.rand(1, 1, 1, 48) > 0.4
+    mask[..., 0] = True
+    q = randn(2, 8, 1, 16, dtype=torch.float32)
+    got = fd.cache_attention(q, kc, vc, lengths, mask=mask, num_splits=2)
+    assert_matches(got, ops.cache_attention(q, kc, vc, lengths, mask=mask))
+
+
+def test_cache_attention_refuses_a_chunk_so_the_reference_runs():
+    (kc, vc), _, _ = _static_cache("bhsd", False, torch.float32, [4])
+    with pytest.raises(ValueError, match="one query per head"):
+        fd.cache_attention(randn(1, 8, 3, 16, dtype=torch.float32), kc, vc, torch.tensor([4]))
