@@ -22,7 +22,12 @@ Where the numbers come from (None where unknown):
   global memory and the count of asynchronous global-to-shared copies, read from the
   PTX or amdgcn. A memory-bound kernel that the compiler did not vectorise shows up
   here as 8/16/32 bits, where 128 (``ld.global.v4.b32``, ``global_load_dwordx4``) is
-  what moves bytes at bandwidth.
+  what moves bytes at bandwidth. ``details["global_loads_<N>b"]`` counts the loads of
+  each width, so narrow loads beside a wide one (a kernel's weights beside its
+  activations) show too. AMD's direct-to-LDS copies (``buffer_load_* ... lds``) are
+  counted as async copies; triton 3.9 emits them only on gfx950+ (or with
+  ``TRITON_HIP_USE_ASYNC_COPY=1``, where gfx942's are 32 bits wide), so gfx942
+  builds report 0 and pipeline through registers instead.
 
 For a kernel with several functions (flash_decoding, or every variant with ``tuning``)
 the top-level registers, spills and shared memory are the maxima over its functions,
