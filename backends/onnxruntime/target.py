@@ -114,6 +114,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     except Exception as error:
         raise _missing_kernel(error, model, provider) or error
     done = time.perf_counter()
+    _return_freed_memory()
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
     if report is not None:
         report.record_build("onnxruntime session", shapes, dims, done - start,
@@ -126,6 +127,21 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, rep
 
     model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
     return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
+
+
+def _return_freed_memory() -> None:
+    """Give the export's freed buffers back to the OS (glibc only; elsewhere nothing).
+
+    The export runs in its own thread, so glibc serves it from a separate heap arena, and
+    what it frees there (the serialized model, transposed weight copies) stays mapped: about
+    100-170 MB per llama-small build that no one uses again.
+    """
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
