@@ -89,3 +89,9 @@ def test_reads_strided_new_rows_into_a_cache_slot_of_a_pool():
 def test_rejects_positions_past_the_end():
     with pytest.raises(ValueError, match="do not fit"):
         kc.kv_cache_update(torch.zeros(1, 1, 4, 8), torch.ones(1, 1, 2, 8), 3)
+
+
+def test_tunes_per_number_of_new_tokens():
+    """A prompt's hundreds of tokens and a decode step's one want different BLOCK_S: the first
+    call's choice must not stick to the other."""
+    assert {"new_len", "head_dim", "PAGED", "QUANT"} <= set(kc.kv_cache_update_tuned.keys)
