@@ -27,6 +27,14 @@ def int4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.packed, q.scales
 
 
+def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of a symmetric group-32 INT8 weight [n, k]."""
+    from graphopt.quantization import quantize_int8
+
+    q = quantize_int8(nonzero_random(n, k) * 0.05, 32, "float32")
+    return q.packed, q.scales
+
+
 def _kv_cache_update(cache, new, pos):
     g.kv_cache_update(cache, new, pos)
     return cache * 1  # the op mutates its cache: return what it wrote
@@ -64,6 +72,8 @@ OP_CASES = {
                         (_r(2, 4, 1, 16), _r(2, 2, 9, 16), _r(2, 2, 9, 16), torch.tensor([5, 9]))),
     "int4_linear": ("graphopt.int4_linear", lambda x, packed, scales: g.int4_linear(x, packed, scales, None, 32),
                     (_r(3, 64), *int4_weight(24, 64))),
+    "int8_linear": ("graphopt.int8_linear", lambda x, codes, scales: g.int8_linear(x, codes, scales, 32),
+                    (_r(3, 64), *int8_weight(24, 64))),
     "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
             (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3, _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),
 }
