@@ -74,6 +74,7 @@ def summarize_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
         "weight_bytes_after": after,
         "weight_bytes_fp32": fp32,
         "bytes_ratio_fp32": after / fp32 if fp32 else 0.0,
+        "bits": {b: sum(1 for layer in distinct if layer.get("bits", 4) == b) for b in (4, 8)},
         "max_rel_error": max(errors, default=0.0),
         "mean_rel_error": sum(errors) / len(errors) if errors else 0.0,
         "layers": layers,
@@ -81,7 +82,11 @@ def summarize_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def layer_rows(summary: dict[str, Any]) -> list[list[Any]]:
-    """Rows ``[name, shape, group, symmetric, rel_error, bytes before, bytes after]`` for a table."""
-    return [[layer["name"], "x".join(map(str, layer["shape"])), layer["group_size"], layer["symmetric"],
-             round(layer["rel_error"], 5), layer["bytes_before"], layer["bytes_after"]]
+    """Rows ``[name, shape, bits, group, symmetric, rel_error, output_error, bytes before, bytes after]``
+    for a table (output_error: share of the layer's output changed on the calibration
+    activations, "-" when the pass did not calibrate)."""
+    return [[layer["name"], "x".join(map(str, layer["shape"])), layer.get("bits", 4), layer["group_size"],
+             layer["symmetric"], round(layer["rel_error"], 5),
+             "-" if layer.get("output_error") is None else round(layer["output_error"], 6),
+             layer["bytes_before"], layer["bytes_after"]]
             for layer in summary["layers"]]

@@ -67,7 +67,9 @@ class OnnxModel:
         """What MatMulNBits made of the linear weights (None when there are none):
         ``{"matmulnbits", "bytes", "fp32_bytes", "ratio", "float_matmuls"}``, ``bytes`` being
         the initializers the MatMulNBits nodes read (packed codes, scales, zero points) and
-        ``float_matmuls`` the MatMul / Gemm nodes still reading a constant weight."""
+        ``float_matmuls`` the MatMul / Gemm nodes still reading a constant weight. Bytes are
+        counted in the dtype each MatMulNBits input has, not its initializer's: ORT folds a
+        Cast of a constant at load (fp16 scales behind a Cast are read as fp32)."""
         nodes = list(self.model.graph)
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
         if not quantized:
@@ -80,7 +82,7 @@ class OnnxModel:
             for value in node.inputs[1:4]:
                 source = _constant_behind(value)
                 if source is not None:
-                    constants[source.name] = source.const_value.nbytes
+                    constants[source.name] = int(source.const_value.size * (value.dtype or source.dtype).itemsize)
         float_matmuls = sum(1 for n in nodes if n.op_type in ("MatMul", "Gemm") and len(n.inputs) > 1
                             and _constant_behind(n.inputs[1]) is not None)
         stored = sum(constants.values())

@@ -112,3 +112,46 @@ def _(x, packed, scales, zeros, group_size, bias=None):
 
 
 register("int4_linear")
+
+
+# --- 8 bits: where 4 costs a layer too much (an LM head, a sensitive projection) ----------
+
+INT8_ZERO = 128  # the implied zero point of the symmetric 8-bit grid (2 ** (bits - 1))
+
+
+def dequantize_int8(qweight: Tensor, scales: Tensor, group_size: int, in_features: int | None = None) -> Tensor:
+    """float32 ``[N, K]`` of 8-bit codes ``qweight`` uint8 ``[N, K_pad]`` (one code a byte,
+    MatMulNBits' bits=8 ``B`` viewed as [N, G, group_size]) and ``scales`` ``[N, G]``:
+    ``w[n, k] = (q[n, k] - 128) * scales[n, k // group_size]``."""
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2:
+        raise ValueError(f"int8 weight must be 2-D uint8 [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
+    if scales.dim() != 2 or scales.dtype not in SCALE_DTYPES:
+        raise ValueError(f"int8 scales must be 2-D float16/bfloat16/float32 [N, G], got {scales.dtype} "
+                         f"{tuple(scales.shape)}")
+    n, groups = scales.shape
+    if tuple(qweight.shape) != (n, groups * group_size):
+        raise ValueError(f"int8 weight is {tuple(qweight.shape)}; scales {tuple(scales.shape)} with group_size "
+                         f"{group_size} need ({n}, {groups * group_size})")
+    if in_features is not None and not (groups - 1) * group_size < in_features <= groups * group_size:
+        raise ValueError(f"input has {in_features} features but the int8 weight holds {groups} groups of {group_size}")
+    weight = ((qweight.view(n, groups, group_size).float() - INT8_ZERO) * scales.float().unsqueeze(-1)).reshape(n, -1)
+    return weight if in_features is None else weight[:, :in_features]
+
+
+@torch.library.custom_op("graphopt::int8_linear", mutates_args=())
+def int8_linear(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, dequantize_int8(qweight, scales, group_size), bias)``: symmetric 8-bit
+    group-wise weights, lowered to MatMulNBits with bits=8 on ONNX Runtime."""
+    weight = dequantize_int8(qweight, scales, group_size, x.shape[-1]).to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+@int8_linear.register_fake
+def _(x, qweight, scales, group_size, bias=None):
+    n = scales.shape[0]
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[0] != n:
+        raise ValueError(f"int8 weight must be uint8 [{n}, K], got {qweight.dtype} {tuple(qweight.shape)}")
+    return x.new_empty((*x.shape[:-1], n))
+
+
+register("int8_linear")

@@ -27,7 +27,8 @@ def test_int4_summary_of_a_compile_report():
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
     _, report = compile_with_graphopt(module, torch.randn(4, 64), passes=["canonicalize", "quantize_int4"],
-                                      pass_options={"quantize_int4": {"group_size": 64, "symmetric": False}})
+                                      pass_options={"quantize_int4": {"group_size": 64, "symmetric": False, "scale_dtype": "float16",
+                                                                     "head_bits": 4}})
     for source in (report, report.to_dict(), [report]):
         summary = int4_summary(source)
         assert summary["quantized_weights"] == 2
@@ -38,7 +39,8 @@ def test_int4_summary_of_a_compile_report():
         assert summary["bytes_ratio_fp32"] == pytest.approx(after / summary["weight_bytes_fp32"])
         assert 0 < summary["mean_rel_error"] <= summary["max_rel_error"] < 0.12
     rows = layer_rows(int4_summary(report))
-    assert [r[1:4] for r in rows] == [["128x64", 64, False], ["32x128", 64, False]]
+    assert [r[1:5] for r in rows] == [["128x64", 4, 64, False], ["32x128", 4, 64, False]]
+    assert all(0 < r[6] < 0.05 for r in rows)  # output error on the calibration inputs (gptq)
 
 
 def test_int4_summary_is_none_without_the_pass():

@@ -92,7 +92,8 @@ def test_zero_weight_and_padded_k_are_exact_where_they_should_be():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(search="gptq"), "search 'gptq' is not valid"),
+    (dict(search="awq"), "search 'awq' is not valid"),
+    (dict(search="gptq"), "search 'gptq' needs the calibration Hessian"),
     (dict(scale_dtype="int8"), "scale_dtype 'int8' is not valid"),
     (dict(group_size=3), "group_size must be even"),
 ])

@@ -13,12 +13,18 @@ import graphopt.compiler
 from graphopt import ir, models
 from graphopt.errors import OptionsError
 from graphopt.pipeline import build_pass_manager
-from graphopt.ops.quant import dequantize_int4
+from graphopt.ops.quant import dequantize_int4, dequantize_int8
 from graphopt.quant_report import int4_summary, logits_metrics
 from tests.helpers import aten_graph, compile_with_graphopt, count, eager, run_pass
 
 PIPE = ["canonicalize", "fuse_rms_norm", "quantize_int4"]
 int4_op = torch.ops.graphopt.int4_linear.default
+int8_op = torch.ops.graphopt.int8_linear.default
+
+
+def quantized(report) -> int:
+    """Linears the pass rewrote: 4-bit ones and the LM head's 8 bits (head_bits=8)."""
+    return count(report, "graphopt.int4_linear") + count(report, "graphopt.int8_linear")
 
 
 @pytest.fixture
@@ -62,11 +68,16 @@ def dequantized_copy(module, graph):
     out = copy.deepcopy(module)
     params = dict(out.named_parameters())
     for node in graph.graph.nodes:
-        if node.target is int4_op:
-            packed, scales, zeros = (ir.get_constant(a) if a is not None else None for a in node.args[1:4])
+        if node.target in (int4_op, int8_op):
             name = param_of(node.meta["graphopt_int4"]["name"], params)
+            k = params[name].shape[1]
+            if node.target is int4_op:
+                packed, scales, zeros = (ir.get_constant(a) if a is not None else None for a in node.args[1:4])
+                weight = dequantize_int4(packed, scales, zeros, node.args[4], k)
+            else:
+                weight = dequantize_int8(ir.get_constant(node.args[1]), ir.get_constant(node.args[2]), node.args[3], k)
             with torch.no_grad():
-                params[name].copy_(dequantize_int4(packed, scales, zeros, node.args[4], params[name].shape[1]))
+                params[name].copy_(weight)
     return out
 
 
@@ -77,11 +88,14 @@ def test_quantizes_mm_and_addmm_and_computes_the_dequantized_weights(shape, symm
     module, x = Mlp(), torch.randn(*shape)
     out, report = compile_with_graphopt(module, x, passes=PIPE,
                                         pass_options={"quantize_int4": {"symmetric": symmetric}})
-    assert count(report, "graphopt.int4_linear") == 3
+    # The last linear gives the output (an LM head): 8 bits by default (head_bits).
+    assert count(report, "graphopt.int4_linear") == 2 and count(report, "graphopt.int8_linear") == 1
     assert count(report, "aten.mm") + count(report, "aten.addmm") + count(report, "aten.t") == 0
     stats = pass_stats(report)
     assert stats["matches"] == 3 and stats["quantized_weights"] == 3
     assert [layer["name"] for layer in stats["layers"]] == ["up.weight", "down.weight", "lm_head.weight"]
+    assert [layer["bits"] for layer in stats["layers"]] == [4, 4, 8] and stats["bits"] == {4: 2, 8: 1}
+    assert stats["calibration"].startswith("example inputs")
     # The graph multiplies by exactly the dequantized weights: same fp32 GEMMs, same values.
     torch.testing.assert_close(out, eager(dequantized_copy(module, final_graph[-1]), x), rtol=1e-6, atol=1e-6)
     # And stays near the fp32 model: 4-bit weights cost ~8% per layer, ~5-6% at this output.
@@ -95,7 +109,7 @@ def test_half_precision_models(dtype, final_graph):
     torch.manual_seed(0)
     module, x = Mlp().to(dtype), torch.randn(4, 64).to(dtype)
     out, report = compile_with_graphopt(module, x, passes=PIPE)
-    assert count(report, "graphopt.int4_linear") == 3 and out.dtype == dtype
+    assert quantized(report) == 3 and out.dtype == dtype
     # The dequantized weight rounded to the model's dtype, as the op rounds it.
     expected = eager(dequantized_copy(module, final_graph[-1]), x)
     torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-3)
@@ -107,7 +121,7 @@ def test_export_graph_linear_spelling_with_bias():
     gm = aten_graph(module, x)
     assert count(ir.op_counts(gm), "aten.linear") == 3
     ref = gm(x)
-    result = run_pass("quantize_int4", gm, group_size=64, scale_dtype="float32", search="rtn")
+    result = run_pass("quantize_int4", gm, group_size=64, scale_dtype="float32", search="rtn", head_bits=4)
     assert result.stats["matches"] == 3
     assert count(ir.op_counts(result.gm), "graphopt.int4_linear") == 3
     assert count(ir.op_counts(result.gm), "aten.linear") == 0
@@ -123,23 +137,23 @@ def test_a_second_run_finds_nothing_new():
     assert not second.modified and second.stats["matches"] == 0 and second.stats["quantized_weights"] == 0
 
 
-@pytest.mark.parametrize("options, quantized, reason", [
+@pytest.mark.parametrize("options, n, reason", [
     ({"skip": ["*lm_head*"]}, 2, "matches skip pattern '*lm_head*'"),
     ({"min_size": 64 * 96}, 2, "has 2048 elements < min_size 6144"),
 ])
-def test_skips_by_name_pattern_and_size(options, quantized, reason):
+def test_skips_by_name_pattern_and_size(options, n, reason):
     torch.manual_seed(0)
     out, report = compile_with_graphopt(Mlp(), torch.randn(4, 64), passes=PIPE,
                                         pass_options={"quantize_int4": options})
-    assert count(report, "graphopt.int4_linear") == quantized
-    assert count(report, "aten.mm") == 3 - quantized
+    assert quantized(report) == n
+    assert count(report, "aten.mm") == 3 - n
     assert any(reason in m.reason for m in report.near_misses if m.pass_name == "quantize_int4")
 
 
 def test_skips_weights_that_are_not_constants():
     torch.manual_seed(0)
     out, report = compile_with_graphopt(Mlp(), torch.randn(4, 64), passes=PIPE, freeze_weights=False)
-    assert count(report, "graphopt.int4_linear") == 0
+    assert quantized(report) == 0
     assert any("not a frozen constant" in m.reason for m in report.near_misses)
 
 
@@ -159,7 +173,7 @@ def test_a_weight_read_twice_is_quantized_once(final_graph):
     stats = pass_stats(report)
     assert stats["matches"] == 2 and stats["quantized_weights"] == 1
     assert stats["weight_bytes_fp32"] == 64 * 64 * 4
-    packed = {n.args[1] for n in final_graph[-1].graph.nodes if n.target is int4_op}
+    packed = {n.args[1] for n in final_graph[-1].graph.nodes if n.target in (int4_op, int8_op)}
     assert len(packed) == 1
     torch.testing.assert_close(out, eager(dequantized_copy(module, final_graph[-1]), x), rtol=1e-6, atol=1e-6)
 
@@ -169,6 +183,9 @@ def test_a_weight_read_twice_is_quantized_once(final_graph):
     ({"search": "awq"}, "search 'awq' is not valid"),
     ({"scale_dtype": "float8"}, "scale_dtype 'float8' is not valid"),
     ({"min_size": -1}, "min_size must be"),
+    ({"head_bits": 6}, "head_bits 6 is not valid"),
+    ({"budget": 1.5}, "budget must be 0"),
+    ({"calibration": [1, -2]}, "calibration must be a list of token ids"),
 ])
 def test_bad_options_fail_with_one_line(bad, message):
     with pytest.raises(OptionsError, match=message):
@@ -182,7 +199,7 @@ def test_merged_qkv_and_gated_mlp_are_quantized_whole():
     out, report = compile_with_graphopt(model, *inputs, passes=pipe)
     layers = models.config_of("llama-tiny").num_layers
     # qkv_proj, o_proj, gate_up, down per layer, and lm_head.
-    assert count(report, "graphopt.int4_linear") == 4 * layers + 1
+    assert count(report, "graphopt.int4_linear") == 4 * layers and count(report, "graphopt.int8_linear") == 1
     assert count(report, "graphopt.qkv_proj") == 0 and count(report, "graphopt.swiglu") == layers
     names = [layer["name"] for layer in pass_stats(report)["layers"]]
     assert any("qkv_proj" in n for n in names) and any("gate_up_proj" in n for n in names)
@@ -193,11 +210,16 @@ def test_llama_tiny_logits_bytes_and_report():
     model = models.build("llama-tiny")
     ids = models.example_inputs("llama-tiny", batch=4, seq_len=32)
     out, report = compile_with_graphopt(model, *ids, passes=PIPE)
-    assert count(report, "graphopt.int4_linear") == 7 * models.config_of("llama-tiny").num_layers + 1
+    assert count(report, "graphopt.int4_linear") == 7 * models.config_of("llama-tiny").num_layers
     summary = int4_summary(report)
-    assert summary["quantized_weights"] == 15
-    assert summary["bytes_ratio_fp32"] == pytest.approx(0.140625)  # g32, fp16 scales: 4.5 bits
-    assert 0.05 < summary["max_rel_error"] < 0.09  # per-layer Frobenius error of 4-bit weights
+    assert summary["quantized_weights"] == 15 and summary["bits"] == {4: 14, 8: 1}
+    # g32 with fp32 scales (auto: what MatMulNBits reads): 5 bits a weight, 9 for the LM head.
+    fp32 = summary["weight_bytes_fp32"]
+    head = next(layer for layer in summary["layers"] if layer["bits"] == 8)["bytes_fp32"]
+    assert summary["weight_bytes_after"] == pytest.approx((fp32 - head) * 5 / 32 + head * 9 / 32)
+    # GPTQ trades weight error (RTN's is 0.05-0.09 here) for output error on the calibration inputs.
+    assert 0.05 < summary["max_rel_error"] < 0.2
+    assert all(0 < layer["output_error"] < 0.05 for layer in summary["layers"])
     metrics = logits_metrics(out[0], eager(model, *ids)[0])
     # Measured 0.117 (top-1 agreement 0.80): llama-tiny's 2 random layers amplify weight error ~1.4x.
     assert metrics["rel_error"] < 0.15
@@ -217,11 +239,10 @@ def test_int4_option_adds_the_pass_and_the_report_block():
     assert [p.name for p in report.passes] == expected
     record = next(p for p in report.passes if p.name == "quantize_int4")
     # qkv_proj, o_proj, gate_up, down per layer, and lm_head: every linear, each quantized once.
-    quantized = 4 * models.config_of("llama-tiny").num_layers + 1
-    assert record.status == "changed" and record.matches == count(report, "graphopt.int4_linear") == quantized
+    n = 4 * models.config_of("llama-tiny").num_layers + 1
+    assert record.status == "changed" and record.matches == quantized(report) == n
     summary = report.to_dict()["int4"]
-    assert summary["quantized_weights"] == quantized
-    assert summary["bytes_ratio_fp32"] == pytest.approx(0.140625)  # g32, fp16 scales: 4.5 bits per weight
+    assert summary["quantized_weights"] == n and summary["bits"] == {4: n - 1, 8: 1}
     # Measured 0.134 (top-1 agreement 0.875) with the default pipeline's fusions.
     metrics = logits_metrics(out, eager(loaded.module, *loaded.example_inputs))
     assert metrics["rel_error"] < 0.16 and metrics["top1_agreement"] > 0.6

@@ -1,4 +1,4 @@
-"""INT4 weight-only linear -> ONNX Runtime's ``MatMulNBits``:
+"""INT4 (and INT8) weight-only linear -> ONNX Runtime's ``MatMulNBits``:
 ``graphopt.int4_linear(x, packed, scales, zeros, group_size, bias)`` ->
 ``com.microsoft.MatMulNBits(x, Reshape(packed, [N, G, group_size / 2]), scales, zeros, bias,
 K, N, bits=4, block_size=group_size, accuracy_level=ACCURACY_LEVEL)``.
@@ -46,4 +46,17 @@ def int4_linear(x, packed, scales, zeros, group_size: int, bias=None):
     return ms.MatMulNBits(*inputs, K=k, N=n, bits=4, block_size=group_size, accuracy_level=ACCURACY_LEVEL)
 
 
-TRANSLATIONS = {graphopt.int4_linear.default: int4_linear}
+def int8_linear(x, qweight, scales, group_size: int, bias=None):
+    """``graphopt.int8_linear`` -> MatMulNBits with bits=8: one code a byte, ``B`` viewed as
+    [N, G, group_size], the implied zero point 128 (graphopt/ops/quant.py)."""
+    if group_size < 16 or group_size & (group_size - 1):
+        raise UnsupportedOp("graphopt.int8_linear", f"MatMulNBits needs a power-of-two block >= 16, got {group_size}")
+    n, groups, k = static_dim(scales, 0), static_dim(scales, 1), static_dim(x, -1)
+    if n is None or groups is None or k is None:
+        raise UnsupportedOp("graphopt.int8_linear", "MatMulNBits needs static N, K and group counts")
+    b = op.Reshape(qweight, op.Constant(value=ir.tensor([n, groups, group_size], dtype=ir.DataType.INT64)))
+    inputs = [x, b, cast_to(scales, x.dtype)] + ([None, None, cast_to(bias, x.dtype)] if bias is not None else [])
+    return ms.MatMulNBits(*inputs, K=k, N=n, bits=8, block_size=group_size, accuracy_level=ACCURACY_LEVEL)
+
+
+TRANSLATIONS = {graphopt.int4_linear.default: int4_linear, graphopt.int8_linear.default: int8_linear}
