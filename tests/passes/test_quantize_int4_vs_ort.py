@@ -66,30 +66,39 @@ def run_ort(qmodel, ids):
     return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0])
 
 
-@pytest.mark.parametrize("block", [32, 128])
-def test_graphopt_int4_is_more_accurate_than_onnxruntimes_quantizer(setup, block):
-    model, ids, reference, proto = setup
-    params = {n: p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
-    ours_logits, report = compile_with_graphopt(model, ids, passes=PIPE,
-                                                pass_options={"quantize_int4": {"group_size": block}})
-    summary = int4_summary(report)
-    qmodel = ort_int4(proto, block)
-    theirs = ort_layer_errors(qmodel, params)
-    assert len(theirs) == summary["quantized_weights"] == 15, "both must quantize the same 15 weights"
-
+def our_layer_errors(report, params: dict) -> dict[str, float]:
     ours = {}
-    for layer in summary["layers"]:
+    for layer in int4_summary(report)["layers"]:
         match = [p for p in params if layer["name"].endswith(("." + p, "_" + p)) or layer["name"] == p]
         ours[match[0]] = layer["rel_error"]
-    assert set(ours) == set(theirs)
-    # Weight by weight: measured ~6% lower error at g32 (0.0809 vs 0.0858 on average).
-    worse = {n: (ours[n], theirs[n]) for n in ours if ours[n] >= theirs[n]}
-    assert not worse, f"graphopt's error is not below ORT's for {worse}"
+    return ours
 
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_rtn_reproduces_onnxruntimes_quantizer_weight_by_weight(setup, block):
+    model, ids, reference, proto = setup
+    params = {n: p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
+    options = {"group_size": block, "search": "rtn", "head_bits": 4, "scale_dtype": "float32"}
+    _, report = compile_with_graphopt(model, ids, passes=PIPE, pass_options={"quantize_int4": options})
+    theirs = ort_layer_errors(ort_int4(proto, block), params)
+    ours = our_layer_errors(report, params)
+    assert len(theirs) == len(ours) == 15 and set(ours) == set(theirs), "both must quantize the same 15 weights"
+    for name in ours:
+        assert ours[name] == pytest.approx(theirs[name], rel=1e-5), name
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_graphopt_int4_logits_are_closer_to_fp32_than_onnxruntimes_quantizer(setup, block):
+    """The default recipe (GPTQ on the example inputs, LM head at 8 bits) against ORT's RTN.
+    Its weight errors are larger than RTN's (it moves weights to keep the outputs), so
+    this compares what a model feels: the logits."""
+    model, ids, reference, proto = setup
+    ours_logits, report = compile_with_graphopt(model, ids, passes=PIPE,
+                                                pass_options={"quantize_int4": {"group_size": block}})
+    assert int4_summary(report)["quantized_weights"] == 15
     ours_m = logits_metrics(ours_logits[0], reference)
-    theirs_m = logits_metrics(run_ort(qmodel, ids), reference)
+    theirs_m = logits_metrics(run_ort(ort_int4(proto, block), ids), reference)
     print(f"\nblock {block}: logits rel error graphopt {ours_m['rel_error']:.4f} vs ORT {theirs_m['rel_error']:.4f}; "
-          f"top-1 agreement {ours_m['top1_agreement']:.3f} vs {theirs_m['top1_agreement']:.3f}; "
-          f"weight error {sum(ours.values()) / 15:.4f} vs {sum(theirs.values()) / 15:.4f}")
+          f"top-1 agreement {ours_m['top1_agreement']:.3f} vs {theirs_m['top1_agreement']:.3f}")
     assert ours_m["rel_error"] < theirs_m["rel_error"]
     assert ours_m["top1_agreement"] > 0.6 and theirs_m["top1_agreement"] > 0.6
