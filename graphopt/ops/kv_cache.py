@@ -22,6 +22,9 @@ int8 KV: with ``scales`` given, ``cache`` is int8 and each (token, head) row is 
 symmetrically, ``q = round(new / s)`` with ``s = max|new| / 127`` stored in ``scales``;
 :func:`read_cache` dequantizes. Per-token scales keep an outlier token from crushing the
 precision of every other token, which per-tensor scales would.
+
+Readers: ``graphopt.cache_attention`` (graphopt/ops/attention.py) reads the buffers as they
+are, up to each row's valid length: int8 with its scales, paged through the block table.
 """
 
 from __future__ import annotations
