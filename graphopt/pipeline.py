@@ -17,8 +17,8 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "canonicalize",  # drops identity ops (x*1, same-dtype casts) that would split patterns
     "fuse_rms_norm",
     "fuse_add_rms_norm",  # composes on graphopt.rms_norm, so after fuse_rms_norm
-    "fuse_all_reduce_add_rms_norm",  # composes on graphopt.add_rms_norm (tensor-parallel graphs only)
     "fuse_softmax_rms_norm",  # likewise
+    "fuse_all_reduce_add_rms_norm",  # composes on graphopt.add_rms_norm (tensor-parallel graphs only)
     "fuse_layer_norm",  # after fuse_rms_norm: it also folds rms_norm(x - mean(x)) back into LayerNorm
     "fuse_gated_mlp",  # before fuse_bias_gelu, which would turn GeGLU's gelu into bias_gelu
     "fuse_moe",  # after fuse_gated_mlp: reads the experts' activation as graphopt.swiglu
