@@ -67,15 +67,13 @@ class Int4Options:
         "help": 'fnmatch patterns of parameter names to leave in full precision, e.g. ["*lm_head*"]'})
     min_size: int = field(default=0, metadata={"help": "leave weights with fewer elements in full precision"})
     search: str = field(default="gptq", metadata={
-        "help": "gptq: error feedback on calibration activations; rtn: round-to-nearest; mse: per-group "
-                "weight-error search (worse than rtn on trained models)"})
+        "help": "gptq: error feedback on calibration activations; rtn: round-to-nearest; mse: weight-error search"})
     calibration: list = field(default_factory=list, metadata={
         "help": "token ids to calibrate on (gptq, budget); empty: the example inputs"})
     head_bits: int = field(default=8, metadata={
         "help": "bits of a linear whose result is a graph output (an LM head): 4, 8, or 32 to keep it float"})
     budget: float = field(default=0.0, metadata={
-        "help": "int4 byte budget: quantized bytes at most this fraction of their fp32 bytes, layers with "
-                "the most output error moved to 8 bits while it fits (0: none)"})
+        "help": "byte budget as a fraction of fp32 bytes: layers with most output error go to 8 bits while it fits"})
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
