@@ -1,0 +1,65 @@
+"""Tensor parallelism on 2 gloo ranks (CPU, one thread each): llama-tiny sharded
+Megatron-style matches the unsharded model, each shard still fuses (one qkv_proj, swiglu
+and attention over the local heads per layer), and every row-parallel all-reduce becomes
+one graphopt.all_reduce_add_rms_norm. One spawn runs every check, to keep the cost of
+starting two Python processes to once."""
+
+import pytest
+import torch
+
+from graphopt.distributed.launch import spawn
+from graphopt.errors import GraphoptError
+
+TOL = 1e-5
+
+
+def _both_styles(rank, world):
+    from graphopt.distributed.tp_run import rank_run
+
+    functional = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 1,
+                          "functional")
+    dtensor = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 1,
+                       "dtensor")
+    return functional, dtensor
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return spawn(_both_styles, 2)
+
+
+def test_functional_shards_match_and_fuse(rows):
+    for functional, _ in rows:
+        counts = functional["op_counts"]
+        assert functional["rel_err"] <= TOL, functional["rel_err"]
+        # llama-tiny: 2 layers; per layer one merged QKV of the local heads, one SwiGLU, one attention
+        assert counts.get("graphopt.qkv_proj") == 2, counts
+        assert counts.get("graphopt.swiglu") == 2, counts
+        assert counts.get("graphopt.attention") == 2, counts
+        # 2 row-parallel outputs per layer, each feeding the next add + RMSNorm (the last one the final norm)
+        assert functional["fused_all_reduce_norms"] == 4, counts
+        assert functional["all_reduces_left"] == 0, counts
+        assert not functional["fallbacks"]
+
+
+def test_dtensor_shards_match_with_collectives_in_place(rows):
+    for _, dtensor in rows:
+        counts = dtensor["op_counts"]
+        assert dtensor["rel_err"] <= TOL, dtensor["rel_err"]
+        assert dtensor["fused_all_reduce_norms"] == 4, counts
+        assert counts.get("graphopt.attention") == 2, counts
+
+
+def test_ranks_agree(rows):
+    (a, _), (b, _) = rows
+    assert a["rel_err"] == pytest.approx(b["rel_err"], rel=1e-6)
+
+
+def test_tp_that_does_not_divide_the_heads_names_the_fix():
+    from graphopt.distributed.shard import check_divisible
+    from graphopt.models import config_of
+    from graphopt.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(config_of("llama-tiny"))  # 4 heads, 2 kv heads
+    with pytest.raises(GraphoptError, match="pick a --tp that divides 2"):
+        check_divisible(model, 4)
