@@ -88,8 +88,9 @@ def _gathered_head(head: nn.Module | None, last: Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def _bnsh_source(value):
-    """The [B, H, S, D] tensor behind GQA's ``Reshape(Transpose(x, [0, 2, 1, 3]), [0, 0, -1])``."""
+def _bnsh_source(value, wanted: dict):
+    """The [B, H, S, D] tensor in ``wanted`` behind GQA's ``Reshape(Transpose(x, [0, 2, 1, 3]),
+    [0, 0, -1])``, through the no-op Identity and full Slice nodes an export without rewrites keeps."""
     reshape = value.producer() if value is not None else None
     if reshape is None or reshape.op_type != "Reshape":
         return None
@@ -97,7 +98,20 @@ def _bnsh_source(value):
     if transpose is None or transpose.op_type != "Transpose":
         return None
     perm = transpose.attributes.get("perm")
-    return transpose.inputs[0] if perm is not None and list(perm.value) == [0, 2, 1, 3] else None
+    if perm is None or list(perm.value) != [0, 2, 1, 3]:
+        return None
+    source = transpose.inputs[0]
+    while id(source) not in wanted and (node := source.producer()) is not None and _is_no_op(node):
+        source = node.inputs[0]
+    return source
+
+
+def _is_no_op(node) -> bool:
+    """Identity, or a Slice whose output has its input's (known) shape."""
+    if node.op_type == "Identity":
+        return True
+    shape_in, shape_out = node.inputs[0].shape, node.outputs[0].shape
+    return node.op_type == "Slice" and shape_in is not None and shape_in == shape_out
 
 
 def share_cache(model) -> int:
@@ -120,7 +134,7 @@ def share_cache(model) -> int:
     for node in list(graph):
         if node.op_type != "GroupQueryAttention" or node.domain != MS_DOMAIN:
             continue
-        k, v = _bnsh_source(node.inputs[1]), _bnsh_source(node.inputs[2])
+        k, v = _bnsh_source(node.inputs[1], where), _bnsh_source(node.inputs[2], where)
         i, j = where.get(id(k)), where.get(id(v))
         if i is None or j != i + 1 or i % 2:
             raise GraphoptError(f"attention {node.name} does not read a layer's returned key and value; "
@@ -155,11 +169,21 @@ def cache_names(layers: int, prefix: str) -> list[str]:
     return [f"{prefix}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
 
 
-def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: int | None = None):
+def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: int | None = None,
+                   rewrite: bool = False):
     """The in-place decoder of ``model`` (see the module docstring) -> (OnnxModel, the pipeline's
-    result). ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1)."""
-    from graphopt.backends.onnxruntime import tool
+    result). ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
 
+    ``rewrite``: run onnxscript's pattern rewrites on the export (``export.export_graph``);
+    off by default, since ORT's session optimizer makes the same rewrites when it loads the
+    model and they cost half the ONNX export of a 30-layer model.
+    """
+    from graphopt.backends.onnxruntime import tool
+    from graphopt.backends.onnxruntime.export import export_graph
+    from graphopt.compiler import run_pipeline
+    from graphopt.frontend import export_aten_graph
+
+    timer = timer or tool.Timer(None)
     step = DecoderStep(model)
     batch, length = prompt.shape
     positions = torch.arange(length).repeat(batch, 1)
@@ -167,11 +191,16 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
     with torch.no_grad():
         layers = (len(step(prompt, positions, last)) - 1) // 2
     sequence = {0: "batch", 1: "sequence"}
-    onnx_model, result = tool.optimize_and_export(
-        step, (prompt, positions, last), config, timer or tool.Timer(None),
-        axis_names=[sequence, sequence, {0: "batch"}], input_names=["input_ids", "position_ids", "last"],
-        output_names=["logits", *cache_names(layers, "prompt")], opset=opset)
-    share_cache(onnx_model.model)
+    axes = [sequence, sequence, {0: "batch"}]
+    with timer("torch.export"):
+        program = export_aten_graph(step, (prompt, positions, last), dynamic_shapes=tuple(tool.dims_for(axes)))
+    with timer("passes"):
+        result, _ = run_pipeline(program.gm, config, program.example_inputs)
+    with timer("onnx export"):
+        onnx_model = export_graph(result.gm, program.example_inputs, opset=opset, axis_names=axes,
+                                  input_names=["input_ids", "position_ids", "last"],
+                                  output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite)
+        share_cache(onnx_model.model)
     graph = onnx_model.model.graph
     onnx_model.input_names = [v.name for v in graph.inputs]
     onnx_model.output_names = [v.name for v in graph.outputs]
