@@ -15,6 +15,9 @@ passes the tensors through untouched and the Triton kernel reads the same bytes:
   4-bit zero points packed like ``packed`` (group 2j low nibble).
 
 Dequantized weight: ``w[n, k] = (q[n, k] - z[n, k // group_size]) * scales[n, k // group_size]``.
+
+``graphopt.int8_linear`` is the same layout at 8 bits (one code a byte, symmetric, zero
+point 128: MatMulNBits with bits=8), for the layers 4 bits cost too much (an LM head).
 """
 
 from __future__ import annotations
