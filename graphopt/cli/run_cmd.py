@@ -29,6 +29,7 @@ def run(
     generate: int = typer.Option(0, "--generate", help="decode N tokens greedily with graphopt.generate and compare "
                                  "with eager; JSON gets generate: {tokens_match_eager, compiles, ms_per_token}"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: rel_err, max_abs_err, timings, reports"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo, 1 thread each); compares each shard with the unsharded model"),
 ) -> None:
     """Compile MODEL with backend="graphopt", compare its output with eager, and time both.
 
@@ -36,6 +37,11 @@ def run(
     Example: graphopt run llama-small --generate 256 --json
     """
     config = parse_options(option, target=target)
+    if tp > 1:
+        from graphopt.distributed.cli import run_tp_cmd
+
+        run_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, repeat, json_out)
+        return
     if generate:
         _run_generate(model, config, batch, seq_len, seed, generate, json_out)
         return
