@@ -60,8 +60,9 @@ def rank_run(rank: int, world: int, spec: str, seed: int, batch: int, seq_len: i
         start = time.perf_counter()
         actual = compiled(*inputs)
         compile_s = time.perf_counter() - start
-    (ms,) = time_ms([compiled], inputs, repeat)
-    share = collective_share(compiled, inputs)
+    # repeat=0: correctness only (tests), no timing runs
+    (ms,) = time_ms([compiled], inputs, repeat) if repeat else (None,)
+    share = collective_share(compiled, inputs) if repeat else None
     diff = compare(actual, expected)
     reports = graphopt.reports()
     counts = op_counts(reports)

@@ -16,9 +16,9 @@ TOL = 1e-5
 def _both_styles(rank, world):
     from graphopt.distributed.tp_run import rank_run
 
-    functional = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 1,
+    functional = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 0,
                           "functional")
-    dtensor = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 1,
+    dtensor = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 0,
                        "dtensor")
     return functional, dtensor
 

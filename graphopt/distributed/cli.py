@@ -1,0 +1,35 @@
+"""What ``graphopt run MODEL --tp N`` prints: one table (or one JSON object) built in the
+parent from every rank's row, so rank 0's view and the others' arrive together.
+
+Only the CLI imports this module; the rest of graphopt.distributed prints nothing.
+"""
+
+from __future__ import annotations
+
+from graphopt.cli.output import console, print_json, step, table
+from graphopt.distributed.tp_run import run_tp
+
+STYLE_HELP = "functional: plain local weights + functional all_reduce (fuses QKV/MLP per shard); dtensor: parallelize_module"
+
+
+def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed: int, repeat: int,
+               json_out: bool, style: str = "functional") -> None:
+    with step(f"running {spec} on {tp} gloo ranks (1 thread each)", json_out):
+        result = run_tp(spec, tp, seed, batch, seq_len, options, repeat=repeat, style=style)
+    if json_out:
+        print_json(result)
+        return
+    rows = [[r["rank"], r["target"], r["rel_err"], r["max_abs_err"], r["prefill_ms"],
+             f"{100 * r['collective_share']:.0f}%" if r["collective_share"] is not None else "-",
+             r["fused_all_reduce_norms"], r["all_reduces_left"],
+             r["op_counts"].get("graphopt.qkv_proj", 0), r["op_counts"].get("graphopt.swiglu", 0),
+             r["op_counts"].get("graphopt.attention", 0)] for r in result["ranks"]]
+    console.print(table(
+        f"graphopt run {result['model']} --tp {tp} ({style}) vs the unsharded model",
+        ["rank", "target", "relative error", "max abs error", "prefill ms", "in collectives",
+         "all_reduce+add+rms_norm", "all_reduce left", "qkv_proj", "swiglu", "attention"], rows))
+    for r in result["ranks"][:1]:
+        for note in r["notes"]:
+            console.print(f"rank 0: {note}")
+        for fb in r["fallbacks"]:
+            console.print(f"[yellow]rank 0 fallback[/] {fb['where']}: {fb['reason']}")
