@@ -146,7 +146,8 @@ def moe_via_grouped_mm(combine: fx.Node) -> MoeMatch:
     weighted, (inv_perm,) = unsorted.args[0], unsorted.args[1]
     expect_op(inv_perm, (aten.index_put.default,), "inverse permutation")
     perm_node = inv_perm.args[1][0]
-    expect(is_op(inv_perm.args[2], aten.arange.default, aten.arange.start),
+    # one (token, slot) pair: aot views the arange down to a 0-d value
+    expect(is_op(_through_views(inv_perm.args[2]), aten.arange.default, aten.arange.start),
            "inverse permutation does not scatter an arange", inv_perm)
     expect_op(strip_casts(weighted), MUL_OPS, "weighted expert outputs")
     weighted = strip_casts(weighted)
