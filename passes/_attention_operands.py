@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.rewrite import VIEW_OPS, expect, is_cast, is_op, scalar, val
 
@@ -96,6 +97,16 @@ def as_bool_mask(mask: Any) -> Any:
     return mask
 
 
+def _same_length(a, b) -> bool:
+    """k and v lengths that are equal for every input the graph takes: the same size, or two
+    symbols (SDPA needs them equal, so the guard that relates them costs nothing). A symbol
+    against a constant is not: comparing them would pin the symbol to the constant, and the
+    graph would recompile for every other length (eager's CPU SDPA accepts such inputs)."""
+    if statically_known_true(a == b):
+        return True
+    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and bool(a == b)
+
+
 def check_shapes(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         expect(isinstance(val(t), torch.Tensor) and val(t).dim() == 4,
@@ -103,7 +114,7 @@ def check_shapes(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) -> No
                "[B, H, S, D]", t)
     (b, hq, sq, d), (bk, hkv, skv, dk), (bv, hv, sv, _) = val(q).shape, val(k).shape, val(v).shape
     expect(b == bk == bv, f"batch sizes {b}, {bk}, {bv} of q, k, v differ", k)
-    expect(hkv == hv and skv == sv, f"k [.., {hkv}, {skv}, ..] and v [.., {hv}, {sv}, ..] differ", v)
+    expect(hkv == hv and _same_length(skv, sv), f"k [.., {hkv}, {skv}, ..] and v [.., {hv}, {sv}, ..] differ", v)
     expect(d == dk, f"q head dim {d} != k head dim {dk}", k)
     expect(hq % hkv == 0, f"k/v heads {hkv} do not divide q heads {hq}", k)
     if mask is None:
