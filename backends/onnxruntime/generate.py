@@ -16,7 +16,11 @@ same way (``hf_steps.HFCacheStep``). Two ONNX files come out:
 Two models rather than one with an empty past for the prompt: the reference model takes a
 different attention path for a one-token step (no mask) than for a chunk (a bottom-right
 mask), a single traced graph holds only one of them, and only the unmasked causal forms
-lower to GroupQueryAttention. The cost is the weights twice on disk and in memory.
+lower to GroupQueryAttention. The cost is the weights twice on disk and in memory, and a
+present cache copied from the past every step. That is why ``graphopt.generate`` decodes on
+the one in-place model of ``inplace_cache.export_decoder`` instead, and comes here only for a
+model that cannot take it (decoder.py); this pair remains what ``graphopt export --kv-cache``
+writes.
 """
 
 from __future__ import annotations

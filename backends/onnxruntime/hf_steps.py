@@ -21,8 +21,9 @@ GroupQueryAttention with past/present. Models whose mask carries more than causa
 sliding window) or whose attention does not dispatch through transformers'
 AttentionInterface keep their masks (``mask_kept`` says why).
 
-Precondition: no padding; the exported models take no attention_mask (graphopt.generate
-decodes a padded batch on ORT as groups of one prompt length).
+Precondition: no padding; the exported models take no attention_mask. A padded batch
+decodes on ORT's in-place decoder (inplace_cache.py), where GroupQueryAttention's per-row
+lengths, not a mask, keep each row to its own tokens; it uses the same unmasked sdpa.
 """
 
 from __future__ import annotations
