@@ -30,11 +30,11 @@ import triton.language as tl
 from torch import Tensor
 
 from graphopt.ops.attention import check_cache_attention
-from graphopt.ops.kv_cache import cache_length
+from graphopt.ops.kv_cache import cache_length, read_cache
 
 from . import _common
 from ._device import dot
-from .flash_attention import capped_scores, check_qkv, score_scales, unit_last
+from .flash_attention import capped_scores, check_qkv, flash_attention, score_scales, unit_last
 
 
 @triton.jit
@@ -267,11 +267,14 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
 
     Splits are sized from the buffer (a host value, so the launch is the same every step and
     CUDA-graph capturable); those past a row's length read nothing. A chunk of several
-    queries (prefill) is refused with a ValueError, so its graph runs the reference.
+    queries (a prompt) runs flash attention over the valid prefix instead (:func:`_chunk`).
     """
     check_cache_attention(q, k_cache, v_cache, lengths, layout, block_table, k_scales, v_scales)
+    if lengths.device != q.device:
+        raise ValueError(f"lengths live on {lengths.device}, the caches on {q.device}; keep them together")
     if q.shape[2] != 1:
-        raise ValueError(f"the cache_attention kernel decodes one query per head, got Sq = {q.shape[2]}")
+        return _chunk(q, k_cache, v_cache, lengths, layout, block_table, k_scales, v_scales, mask, scale, is_causal,
+                      softcap, out)
     # One query at position lengths[b] - 1 sees every valid key: is_causal changes nothing.
     q, k_cache, v_cache = unit_last(q, k_cache, v_cache)
     if layout == "bshd":  # [B, S, H, D]: walk the sequence with stride 1 and heads with stride 2
@@ -284,12 +287,41 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
         scale_strides = tuple(t.stride()[:3] if t is not None else (0, 0, 0) for t in (k_scales, v_scales))
         heads = k_cache.shape[1]
     full = cache_length(k_cache, layout, block_table)
-    if lengths.device != q.device:
-        raise ValueError(f"lengths live on {lengths.device}, the caches on {q.device}; keep them together")
     return _decode(q, k_cache, v_cache, strides, heads, full, v_cache.shape[-1], mask, scale, softcap, num_splits,
                    out, lengths=lengths, block_table=block_table if layout == "paged" else None,
                    block_size=k_cache.shape[2] if layout == "paged" else 1, scales=(k_scales, v_scales),
                    scale_strides=scale_strides)
+
+
+def _chunk(q, k_cache, v_cache, lengths, layout, block_table, k_scales, v_scales, mask, scale, is_causal, softcap,
+           out) -> Tensor:
+    """Several queries per row (a prompt): flash attention over the valid prefix, read densely.
+
+    A chunk comes once per prompt, not per token, so it may read the longest row's length on
+    the host and gather (paged) or dequantize (int8) that prefix; rows shorter than it are
+    masked per row and their tails zeroed (0 * garbage must not reach the output).
+    """
+    full = cache_length(k_cache, layout, block_table)
+    bound = max(0, min(int(lengths.max()), full))
+    k = read_cache(k_cache, layout, block_table, k_scales, dtype=q.dtype, length=bound)
+    v = read_cache(v_cache, layout, block_table, v_scales, dtype=q.dtype, length=bound)
+    if mask is not None and mask.shape[-1] == full:
+        mask = mask[..., :bound]
+    if int(lengths.min()) >= bound:  # every row ends at the bound: bottom-right causal is each row's own
+        return flash_attention(q, k, v, mask, scale, is_causal, softcap, out=out)
+    cols = torch.arange(bound, device=q.device)
+    ends = lengths.to(torch.long).view(-1, 1, 1, 1)
+    valid = (cols < ends.view(-1, 1, 1)).unsqueeze(-1)
+    k, v = k.masked_fill(~valid, 0.0), v.masked_fill(~valid, 0.0)
+    rows = torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1)
+    keep = cols <= ends - q.shape[2] + rows if is_causal else cols < ends
+    if mask is None:
+        mask = keep
+    elif mask.dtype == torch.bool:
+        mask = mask & keep
+    else:
+        mask = mask.masked_fill(~keep, float("-inf"))
+    return flash_attention(q, k, v, mask, scale, False, softcap, out=out)
 
 
 def _decode(q, k, v, strides, n_kv_heads, kv_len, v_dim, mask, scale, softcap, num_splits, out, *, lengths=None,

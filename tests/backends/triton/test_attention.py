@@ -253,7 +253,14 @@ def test_cache_attention_takes_one_length_for_every_row_and_a_mask():
     assert_matches(got, ops.cache_attention(q, kc, vc, lengths, mask=mask))
 
 
-def test_cache_attention_refuses_a_chunk_so_the_reference_runs():
-    (kc, vc), _, _ = _static_cache("bhsd", False, torch.float32, [4])
-    with pytest.raises(ValueError, match="one query per head"):
-        fd.cache_attention(randn(1, 8, 3, 16, dtype=torch.float32), kc, vc, torch.tensor([4]))
+@pytest.mark.parametrize("lengths", [[9, 9], [6, 9]], ids=["even", "ragged"])
+@pytest.mark.parametrize("layout, int8", [("bhsd", False), ("paged", True)])
+def test_cache_attention_chunk_runs_flash_attention_over_the_valid_prefix(layout, int8, lengths):
+    """A prompt of 3 queries ending at each row's length (causal per row), poison past it."""
+    (kc, vc), (ks, vs), table = _static_cache(layout, int8, torch.float32, lengths)
+    n = torch.tensor(lengths)
+    q = randn(2, 8, 3, 16, dtype=torch.float32)
+    out = poisoned((2, 8, 3, 16), torch.float32)
+    got = fd.cache_attention(q, kc, vc, n, layout, table, ks, vs, is_causal=True, out=out)
+    assert got is out and torch.isfinite(got).all()
+    assert_matches(got, ops.cache_attention(q, kc, vc, n, layout, table, ks, vs, is_causal=True))
