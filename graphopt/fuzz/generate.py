@@ -31,6 +31,7 @@ class OpKind:
     draw: Callable[[Gen, int], Step | None]
     emit: Callable[..., None]
     expect: Callable[[Step], list[Expectation]] = lambda step: []
+    dtypes: tuple[str, ...] = ()  # the case dtypes it can be drawn in (empty: all)
 
 
 class Gen:
@@ -79,9 +80,9 @@ class Gen:
 @functools.cache
 def kinds() -> dict[str, OpKind]:
     """Every step kind by name: the random ops, then the planted patterns."""
-    from graphopt.fuzz import ops, patterns_block, patterns_norm
+    from graphopt.fuzz import ops, patterns_block, patterns_moe, patterns_norm
 
-    return {op.kind: op for module in (ops, patterns_norm, patterns_block) for op in module.KINDS}
+    return {op.kind: op for module in (ops, patterns_norm, patterns_block, patterns_moe) for op in module.KINDS}
 
 
 def expectations(case: Case) -> list[Expectation]:
@@ -112,10 +113,11 @@ def generate(draw: Draw, settings: Settings = Settings(), name: str = "case") ->
     gen.new_input(Value(shape, dtype))
     if draw.chance(40):
         gen.new_input(Value(shape, dtype))
-    candidates = [k for k in kinds().values() if not settings.only or k.kind in settings.only]
+    candidates = [k for k in kinds().values() if (not settings.only or k.kind in settings.only)
+                  and (not k.dtypes or dtype in k.dtypes)]
     plants = [k for k in candidates if k.kind.startswith("plant_")]
     randoms = [k for k in candidates if not k.kind.startswith("plant_")]
-    for _ in range(draw.integer(settings.min_steps, settings.max_steps)):
+    for _ in range(draw.integer(settings.min_steps, settings.max_steps) if candidates else 0):
         pool = plants if plants and (not randoms or draw.chance(settings.plant_percent)) else randoms
         for _attempt in range(4):  # an op that cannot apply to the value drawn: try another
             op = draw.choice(pool)

@@ -6,6 +6,7 @@ import pytest
 from graphopt.fuzz.case import RandomDraw
 from graphopt.fuzz.generate import Settings, expectations, generate
 from graphopt.fuzz.patterns_block import ATTN_PERTURB, GELU_PERTURB, MLP_PERTURB
+from graphopt.fuzz.patterns_moe import MOE_PERTURB
 from graphopt.fuzz.patterns_norm import ADD_PERTURB, LN_PERTURB, RMS_PERTURB, SOFTMAX_PERTURB
 from graphopt.fuzz.runner import check_case, fuzz_pipeline
 
@@ -17,6 +18,7 @@ PERTURBATIONS = {
     "plant_bias_gelu": GELU_PERTURB,
     "plant_gated_mlp": MLP_PERTURB,
     "plant_attention": ATTN_PERTURB,
+    "plant_moe": MOE_PERTURB,
 }
 CASES = [(kind, perturb) for kind, table in PERTURBATIONS.items() for perturb in table]
 
