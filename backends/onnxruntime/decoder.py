@@ -15,7 +15,8 @@ attention in the prompt pass and every step. So the batch decodes as one, in pre
 decode, and each row equals its prompt alone.
 
 Where the in-place decoder does not apply (another provider; a transformers model whose
-mask carries more than causality, e.g. a sliding window: ``hf_steps.mask_kept``) the runner
+mask carries more than causality, e.g. a sliding window: ``hf_steps.mask_kept``; an attention
+that did not become GroupQueryAttention, found at export, for an unpadded batch) the runner
 exports the prefill and decode-step models of ``generate.export_kv_cache`` instead: two
 sessions, the past fed back as numpy each step, no padding (graphopt.generate decodes a
 padded batch as groups of one prompt length).
@@ -164,9 +165,14 @@ class OrtRunner:
         if self.decoder is not None or self.prefill_run is not None:
             return  # exported once: every batch and prompt length runs on the same sessions
         start = time.perf_counter()
-        if self.pads:
-            self._export_decoder(input_ids)
-        else:
+        try:
+            if self.pads:
+                self._export_decoder(input_ids)
+        except GraphoptError as error:  # an attention that did not become GroupQueryAttention
+            if attention_mask is not None:
+                raise
+            self.pads, self.in_place_problem = False, str(error)
+        if not self.pads:
             self._export_pair(input_ids)
         self.compile_s = time.perf_counter() - start
         self.compiles = self.prefill_compiles = 1  # one model serves every step (dynamic axes)

@@ -81,3 +81,22 @@ def test_padded_rows_equal_their_prompts_alone_through_a_growing_buffer(tiny, de
 def test_right_padded_moves_each_row_to_the_front():
     ids = torch.tensor([[0, 0, 7, 8], [1, 2, 3, 4], [0, 0, 0, 9]])
     assert right_padded(ids, torch.tensor([2, 4, 1])).tolist() == [[7, 8, 0, 0], [1, 2, 3, 4], [9, 0, 0, 0]]
+
+
+def test_an_unpadded_batch_falls_back_to_the_prefill_decode_pair_when_share_cache_refuses(tiny, monkeypatch):
+    from graphopt.backends.onnxruntime import inplace_cache
+    from graphopt.errors import GraphoptError
+
+    def refuse(*args, **kwargs):
+        raise GraphoptError("attention x does not read a layer's returned key and value")
+
+    monkeypatch.setattr(inplace_cache, "export_decoder", refuse)
+    ids = torch.tensor([[5, 9, 11, 4], [6, 10, 14, 15]])
+    runner = OrtRunner(tiny, Options.parse({"target": "onnxruntime"}))
+    with pytest.raises(GraphoptError, match="does not read"):  # a padded batch has nowhere else to go
+        runner.prepare(ids, torch.ones_like(ids))
+    out = drive([runner], ids, None, 4, [Sampler()])[0]
+    assert runner.decoder is None and runner.pads is False
+    assert out.notes == ["prefill and decode run as two models: attention x does not read a layer's returned key "
+                         "and value"]
+    assert torch.equal(out.sequences, eager_generate(tiny, ids, 4).sequences)
