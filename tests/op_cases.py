@@ -75,5 +75,6 @@ OP_CASES = {
     "int8_linear": ("graphopt.int8_linear", lambda x, codes, scales: g.int8_linear(x, codes, scales, 32),
                     (_r(3, 64), *int8_weight(24, 64))),
     "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
-            (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3, _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),
+            (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3,  # router, experts
+             _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),  # shared expert and its gate
 }

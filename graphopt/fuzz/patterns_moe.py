@@ -5,9 +5,11 @@ unsorted sum over k, and optionally a shared expert with its sigmoid gate (Qwen2
 Written as transformers' ``grouped_mm`` experts implementation writes it in bfloat16, with
 ``torch._grouped_mm``: aten's grouped GEMM traces only in bfloat16 (its meta function
 refuses other dtypes; transformers then calls its own custom op, which a standalone
-reproducer cannot import), so the block is planted in bfloat16 cases only. As in ``patterns_norm``: planted as written ``fuse_moe``
-must fire; with a perturbation (GELU experts, a sigmoid router, the k smallest
-probabilities) it must not, and must say why in a near miss.
+reproducer cannot import), so the block is planted in bfloat16 cases only.
+
+As in ``patterns_norm``: planted as written ``fuse_moe`` must fire; with a perturbation (GELU
+experts, a sigmoid router, the k smallest probabilities) it must not, and must say why in a
+near miss.
 """
 
 from __future__ import annotations
