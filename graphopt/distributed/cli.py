@@ -33,3 +33,20 @@ def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed
             console.print(f"rank 0: {note}")
         for fb in r["fallbacks"]:
             console.print(f"[yellow]rank 0 fallback[/] {fb['where']}: {fb['reason']}")
+
+
+def generate_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed: int, tokens: int,
+                    json_out: bool, style: str = "functional") -> None:
+    from graphopt.distributed.tp_generate import generate_tp
+
+    with step(f"decoding {tokens} tokens of {spec} on {tp} gloo ranks and unsharded", json_out):
+        result = generate_tp(spec, tp, seed, batch, seq_len, tokens, options, style=style)
+    if json_out:
+        print_json(result)
+        return
+    rows = [[r["rank"], r["target"], "yes" if r["tokens_match_tp1"] else f"no: from token {r['first_mismatch']}",
+             r["ms_per_token_median"], r["tp1_eager_ms_per_token_median"], r["fallback"] or "-"]
+            for r in result["ranks"]]
+    console.print(table(f"graphopt run {result['model']} --generate {tokens} --tp {tp} ({style})",
+                        ["rank", "target", "tokens match TP=1", "ms/token (median)", "TP=1 eager ms/token",
+                         "fallback"], rows))

@@ -1,7 +1,8 @@
 """Tensor parallelism on 2 gloo ranks (CPU, one thread each): llama-tiny sharded
 Megatron-style matches the unsharded model, each shard still fuses (one qkv_proj, swiglu
 and attention over the local heads per layer), and every row-parallel all-reduce becomes
-one graphopt.all_reduce_add_rms_norm. One spawn runs every check, to keep the cost of
+one graphopt.all_reduce_add_rms_norm; graphopt.generate on the shards gives TP=1's
+greedy tokens for 32 steps. One spawn runs every check, to keep the cost of
 starting two Python processes to once."""
 
 import pytest
@@ -20,7 +21,11 @@ def _both_styles(rank, world):
                           "functional")
     dtensor = rank_run(rank, world, "llama-tiny", 0, 1, 8, {"target": "eager", "fallback": "error"}, 0,
                        "dtensor")
-    return functional, dtensor
+    from graphopt.distributed.tp_generate import rank_generate
+
+    decoded = rank_generate(rank, world, "llama-tiny", 0, 1, 8, 32, {"target": "eager", "fallback": "error"},
+                            "functional")
+    return functional, dtensor, decoded
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,7 @@ def rows():
 
 
 def test_functional_shards_match_and_fuse(rows):
-    for functional, _ in rows:
+    for functional, _, _ in rows:
         counts = functional["op_counts"]
         assert functional["rel_err"] <= TOL, functional["rel_err"]
         # llama-tiny: 2 layers; per layer one merged QKV of the local heads, one SwiGLU, one attention
@@ -43,7 +48,7 @@ def test_functional_shards_match_and_fuse(rows):
 
 
 def test_dtensor_shards_match_with_collectives_in_place(rows):
-    for _, dtensor in rows:
+    for _, dtensor, _ in rows:
         counts = dtensor["op_counts"]
         assert dtensor["rel_err"] <= TOL, dtensor["rel_err"]
         assert dtensor["fused_all_reduce_norms"] == 4, counts
@@ -51,8 +56,14 @@ def test_dtensor_shards_match_with_collectives_in_place(rows):
 
 
 def test_ranks_agree(rows):
-    (a, _), (b, _) = rows
+    (a, _, _), (b, _, _) = rows
     assert a["rel_err"] == pytest.approx(b["rel_err"], rel=1e-6)
+
+
+def test_greedy_tokens_match_tp1_for_32_steps(rows):
+    for _, _, decoded in rows:
+        assert decoded["tokens_match_tp1"], f"first mismatch at token {decoded['first_mismatch']}"
+        assert decoded["fallback"] is None
 
 
 def test_tp_that_does_not_divide_the_heads_names_the_fix():
