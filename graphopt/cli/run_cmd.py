@@ -38,9 +38,12 @@ def run(
     """
     config = parse_options(option, target=target)
     if tp > 1:
-        from graphopt.distributed.cli import run_tp_cmd
+        from graphopt.distributed.cli import generate_tp_cmd, run_tp_cmd
 
-        run_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, repeat, json_out)
+        if generate:
+            generate_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, generate, json_out)
+        else:
+            run_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, repeat, json_out)
         return
     if generate:
         _run_generate(model, config, batch, seq_len, seed, generate, json_out)
