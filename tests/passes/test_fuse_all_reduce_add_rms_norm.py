@@ -88,3 +88,24 @@ def test_fused_op_matches_its_reference_chain(group_name):
     want_y, want_s = torch.ops.graphopt.add_rms_norm(x, residual, w, 1e-5)
     torch.testing.assert_close(s, want_s, rtol=0, atol=0)
     torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6)
+
+
+class SecondCollectiveBeforeTheNorm(RowParallelThenNorm):
+    """Another all-reduce runs between this one and the norm: fusing would reorder them."""
+
+    def forward(self, x, h):
+        reduced = c10d.wait_tensor(c10d.all_reduce(self.proj(h), "sum", self.group))
+        other = c10d.wait_tensor(c10d.all_reduce(h * 3, "sum", self.group))
+        s = reduced + x
+        return rms_norm(s, self.weight), s, other
+
+
+def test_skips_when_another_collective_sits_between(group_name):
+    torch.manual_seed(0)
+    module = SecondCollectiveBeforeTheNorm(group_name)
+    out, report = compile_with_graphopt(module, *inputs(), passes=PIPE)
+    assert count(report, FUSED) == 0
+    assert count(report, "_c10d_functional.all_reduce") == 2
+    reasons = [m.reason for m in report.near_misses if m.pass_name == "fuse_all_reduce_add_rms_norm"]
+    assert any("sits between all_reduce" in r for r in reasons), reasons
+    assert_matches_eager(out, eager(module, *inputs()), rel=1e-6)
