@@ -25,7 +25,34 @@ def _both_styles(rank, world):
 
     decoded = rank_generate(rank, world, "llama-tiny", 0, 1, 8, 32, {"target": "eager", "fallback": "error"},
                             "functional")
-    return functional, dtensor, decoded
+    return functional, dtensor, decoded, _transformers_llama(rank, world)
+
+
+def _transformers_llama(rank, world):
+    """transformers' Llama (2 layers, 4 heads, 2 kv heads) through the same plan."""
+    import transformers
+
+    import graphopt
+    from graphopt.distributed.shard import shard_llama
+    from graphopt.distributed.tp_run import op_counts
+    from graphopt.numerics import compare
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 8))
+
+    def logits(x):
+        return model(x).logits
+
+    with torch.no_grad():
+        expected = logits(ids)
+        shard_llama(model)
+        graphopt.reset()
+        torch._dynamo.reset()
+        actual = torch.compile(logits, backend="graphopt", options={"target": "eager", "fallback": "error"})(ids)
+    return compare(actual, expected).rel, op_counts(graphopt.reports())
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +61,7 @@ def rows():
 
 
 def test_functional_shards_match_and_fuse(rows):
-    for functional, _, _ in rows:
+    for functional, *_ in rows:
         counts = functional["op_counts"]
         assert functional["rel_err"] <= TOL, functional["rel_err"]
         # llama-tiny: 2 layers; per layer one merged QKV of the local heads, one SwiGLU, one attention
@@ -48,7 +75,7 @@ def test_functional_shards_match_and_fuse(rows):
 
 
 def test_dtensor_shards_match_with_collectives_in_place(rows):
-    for _, dtensor, _ in rows:
+    for _, dtensor, *_ in rows:
         counts = dtensor["op_counts"]
         assert dtensor["rel_err"] <= TOL, dtensor["rel_err"]
         assert dtensor["fused_all_reduce_norms"] == 4, counts
@@ -56,14 +83,22 @@ def test_dtensor_shards_match_with_collectives_in_place(rows):
 
 
 def test_ranks_agree(rows):
-    (a, _, _), (b, _, _) = rows
+    (a, *_), (b, *_) = rows
     assert a["rel_err"] == pytest.approx(b["rel_err"], rel=1e-6)
 
 
 def test_greedy_tokens_match_tp1_for_32_steps(rows):
-    for _, _, decoded in rows:
+    for _, _, decoded, _ in rows:
         assert decoded["tokens_match_tp1"], f"first mismatch at token {decoded['first_mismatch']}"
         assert decoded["fallback"] is None
+
+
+def test_transformers_llama_shards_match_and_fuse(rows):
+    for *_, (rel_err, counts) in rows:
+        assert rel_err <= TOL, rel_err
+        for op in ("graphopt.qkv_proj", "graphopt.swiglu", "graphopt.attention"):
+            assert counts.get(op) == 2, counts
+        assert counts.get("graphopt.all_reduce_add_rms_norm") == 4, counts
 
 
 def test_tp_that_does_not_divide_the_heads_names_the_fix():
