@@ -124,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens equal eager greedy: {torch.equal(out.sequences, ref.sequences)}", flush=True)
         runs[kv] = out.ms_per_token
         eager_runs.append(ref.ms_per_token)
+        medians = [(s, window_median(ref.ms_per_token, s, args.window), window_median(out.ms_per_token, s, args.window))
+                   for s in STEPS]
+        print("  " + "; ".join(f"step {s}: eager {e:.2f} ms, static {g:.2f} ms" for s, e, g in medians
+                               if e is not None and g is not None), flush=True)  # before the next run, if any
 
     names = {"auto": "static fp32", "int8": "static int8"}
     head = f"{'step':>6} {'eager dynamic ms':>17}" + "".join(f" {names[k] + ' ms':>16}" for k in runs)
