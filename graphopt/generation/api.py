@@ -7,16 +7,17 @@
     out.target, out.sequences, out.token_ids(0), out.prefill_ms, out.ms_per_token
 
 Which runner decodes (``RUNNERS``): targets that run graph nodes in order (eager, triton) get
-the compiled static-cache step (graphopt.generation.static); onnxruntime gets its exported
-prefill and decode models (backends/onnxruntime/decoder.py); ``auto`` resolves to one of them
+the compiled static-cache step (graphopt.generation.static); onnxruntime gets one exported
+model whose attention writes a shared cache buffer in place (backends/onnxruntime/decoder.py);
+``auto`` resolves to one of them
 from the hardware. Any other target lowers the static-cache step on eager, and the report
 says so. If a runner cannot be built (export failed, no static cache), the model decodes
 eagerly with its own cache and ``fallback`` says why, unless ``options={"fallback": "error"}``.
 
 A left-padded batch (``attention_mask`` with zeros on the left) decodes in one batch on
-runners that take a mask (the eager reference, for transformers models); the compiled and
-exported steps take none, so their batch decodes as groups of one prompt length, each row
-then giving the tokens it gives alone, and ``notes`` says so.
+runners that take per-row lengths (``pads``: the eager reference for transformers models, the
+in-place ONNX Runtime decoder); a runner that takes none decodes it as groups of one prompt
+length, each row then giving the tokens it gives alone, and ``notes`` says so.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def make_runner(model: nn.Module, config: Options, max_length: int):
         except (ImportError, AttributeError) as error:
             raise GraphoptError(f"target {name}'s step runner {where} does not load ({error}); "
                                 "use target eager") from None
-        return cls(model, config.replace(target=name))
+        return cls(model, config.replace(target=name), max_length)  # sizes ORT's cache buffer once
     return StaticRunner(model, config, max_length, name if name in IN_PLACE_TARGETS else "eager")
 
 
