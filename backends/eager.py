@@ -3,10 +3,12 @@
 graphopt ops run their reference implementations, everything else runs as ATen ops
 in eager PyTorch. Every other target falls back to this one.
 
-The attention and KV-cache ops are called as the plain Python functions they were defined
-from rather than through torch's op dispatcher: a decode step calls them a few dozen times
-on tiny tensors, where a custom op's dispatch (100-250 us a call on a loaded CPU) costs more
-than the work. What they compute is the same function.
+The ops a decoder layer is made of (attention, the KV cache, the norms, rope, the QKV
+projection, the gated MLP) are called as the plain Python functions they were defined from
+rather than through torch's op dispatcher: a decode step calls them a few dozen times on
+tiny tensors, where a custom op's dispatch (100-250 us a call on a loaded CPU) costs more
+than the work (llama-small, steps 8-24: 1.08x eager through the dispatcher, 1.03x direct).
+What they compute is the same function.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from graphopt import ir
 from graphopt.decompose import reference_of
 from graphopt.ops import op_name
 
-DIRECT_OPS = ("graphopt.attention", "graphopt.cache_attention", "graphopt.kv_cache_update")
+DIRECT_OPS = ("graphopt.attention", "graphopt.cache_attention", "graphopt.kv_cache_update",
+              "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope", "graphopt.qkv_proj", "graphopt.swiglu")
 
 
 class EagerTarget:
