@@ -30,6 +30,7 @@ Measured on SmolLM2-135M-Instruct, 512 tokens, 2 loaded CPU cores (December 2026
     variant     perplexity  top-1 vs fp32  logits rel err  MatMulNBits bytes / fp32
     fp32          12.445       1.000           0               -
     ort-rtn       15.475       0.699           0.218       66.4 / 424.7 MB = 0.156 (LM head left fp32)
+    gptq          15.356       0.742           0.180       98.2 / 537.9 MB = 0.183 (default: 32 example tokens)
     gptq-text     15.472       0.785           0.175       98.2 / 537.9 MB = 0.183 (LM head at 8 bits)
 
 GPTQ matches ORT's perplexity and beats it on top-1 and logits error, but does not reach
