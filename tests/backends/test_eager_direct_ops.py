@@ -1,5 +1,6 @@
-"""The eager target calls the attention and KV-cache ops as plain functions (no custom-op
-dispatch), computes what the ops compute, and leaves the caller's graph as it was."""
+"""The eager target calls the decoder-layer ops (attention, KV cache, norms, rope, QKV, gated
+MLP) as plain functions (no custom-op dispatch), computes what the ops compute, and leaves the
+caller's graph as it was."""
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -15,7 +16,8 @@ g = torch.ops.graphopt
 def _step(cache_k, cache_v, q, k, v, pos, lengths):
     g.kv_cache_update(cache_k, k, pos)
     g.kv_cache_update(cache_v, v, pos)
-    return g.rms_norm(g.cache_attention(q, cache_k, cache_v, lengths), torch.ones(16), 1e-6)
+    out = g.rms_norm(g.cache_attention(q, cache_k, cache_v, lengths), torch.ones(16), 1e-6)
+    return g.softmax_rms_norm(out, torch.ones(16), 1e-6)
 
 
 def test_cache_ops_run_as_plain_functions_and_compute_the_same():
@@ -27,10 +29,10 @@ def test_cache_ops_run_as_plain_functions_and_compute_the_same():
     lowered = eager.compile(gm, None, None)
     assert ir.op_counts(gm) == before, "the caller's graph must keep its ops"
     targets = {n.target for n in lowered.graph.nodes if n.op == "call_function"}
-    for name in ("cache_attention", "kv_cache_update"):
+    for name in ("cache_attention", "kv_cache_update", "rms_norm"):
         op = getattr(g, name).default
         assert reference_of(op) in targets and op not in targets and f"graphopt.{name}" in DIRECT_OPS
-    assert g.rms_norm.default in targets  # other ops keep the dispatcher
+    assert g.softmax_rms_norm.default in targets  # other ops keep the dispatcher
     got_caches, want_caches = [c.clone() for c in caches], [c.clone() for c in caches]
     got = lowered(*got_caches, *new, pos, lengths)
     want = _step(*want_caches, *new, pos, lengths)
@@ -41,5 +43,5 @@ def test_cache_ops_run_as_plain_functions_and_compute_the_same():
 
 
 def test_a_graph_without_those_ops_is_returned_as_it_is():
-    gm = make_fx(lambda x: g.rms_norm(x, torch.ones(8), 1e-6), tracing_mode="fake")(torch.ones(2, 8))
+    gm = make_fx(lambda x: g.softmax_rms_norm(x, torch.ones(8), 1e-6), tracing_mode="fake")(torch.ones(2, 8))
     assert eager.compile(gm, None, None) is gm

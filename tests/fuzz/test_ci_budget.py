@@ -26,7 +26,9 @@ def test_random_graphs_match_eager_on_the_eager_target(tmp_path):
     result = summary.to_dict()
     assert summary.graphs == 60 and summary.invalid == 0, result["invalid_examples"]
     assert summary.mismatches == 0 and summary.crashes == 0, failures(summary)
-    assert result["no_hits"] == [], result["hits"]
+    # the fuzzer plants no collectives: the all-reduce fusion is checked by its own tests
+    # (tests/passes/test_fuse_all_reduce_add_rms_norm.py, tests/distributed)
+    assert [p for p in result["no_hits"] if p != "fuse_all_reduce_add_rms_norm"] == [], result["hits"]
     # nothing falls back on the eager target: a pass that raises on a valid graph is a bug
     # even though the model still runs
     assert result["fallbacks"] == []

@@ -66,9 +66,15 @@ def _decomposes(op: torch._ops.OpOverload) -> str | None:
     return None
 
 
+# A collective cannot run inside ONNX Runtime: the op decomposes to its functional
+# all_reduce, which the partitioner keeps on eager (tests/distributed checks that run), and
+# its reference needs a process group, so OP_CASES has no call of it.
+NEEDS_A_PROCESS_GROUP = {"graphopt.all_reduce_add_rms_norm"}
+
+
 def test_every_graphopt_op_has_an_ort_translation_or_a_decomposition():
     table = translation_table()
-    ops = _graphopt_ops()
+    ops = [o for o in _graphopt_ops() if op_name(o) not in NEEDS_A_PROCESS_GROUP]
     assert {op_name(o) for o in ops} >= {"graphopt.rms_norm", "graphopt.attention", "graphopt.kv_cache_update"}
     missing = {op_name(o): why for o in ops if o not in table and (why := _decomposes(o))}
     assert missing == {}, "add a translation under backends/onnxruntime/translations/ or fix the decomposition"
