@@ -76,6 +76,15 @@ def dynamo_recompile_reason() -> str | None:
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,
           report: CompileReport) -> Callable:
     """Compile on the configured target; fall back to eager (reported) when it cannot."""
+    if config.record_routing:  # off: the graph and the callable stay as they are
+        from graphopt.routing import lower_recording_routing
+
+        return lower_recording_routing(gm, lambda g: _lower(g, example_inputs, config, report), report)
+    return _lower(gm, example_inputs, config, report)
+
+
+def _lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,
+           report: CompileReport) -> Callable:
     eager = get_target("eager")
     try:
         target, skipped = resolve_target(config)

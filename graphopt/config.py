@@ -42,6 +42,7 @@ class Options:
     verify: bool = _opt(True, "lint the graph and check node metadata after every pass")
     check_numerics: bool = _opt(False, "run the graph after every pass on the compile-time inputs and record the error")
     tolerance: float = _opt(1e-4, "relative error above which check_numerics flags a pass")
+    record_routing: bool = _opt(False, "record each MoE layer's expert choices per call: tokens per expert and top-k jitter in the report's routing")
     bisect_limit: int = _opt(-1, "allow only this many rewrites in total (-1: no limit); for bisecting a bad rewrite")
 
     @classmethod

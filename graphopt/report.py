@@ -7,7 +7,9 @@ nodes_after`` and more, in the order run), ``op_counts`` (graphopt ops named
 reason, how``: each op the target decomposed or left to eager instead of running it), ``builds`` (``what, shapes,
 dynamic_dims, seconds``: every export, session or kernel a target built for this graph,
 also those built later, at run time), ``recompile_reason`` (the dynamo guard whose failure
-made this graph, or None).
+made this graph, or None), ``routing`` (None unless ``record_routing`` is on: per MoE layer
+``layer, experts, k, calls, tokens, tokens_per_expert, imbalance, topk_changes,
+rows_compared, topk_change_rate``; see graphopt.routing).
 
 A target records a build with :func:`record_build` while it compiles (the compiler makes the
 graph's report current around ``target.compile``), or on the report it took from
@@ -46,6 +48,7 @@ class CompileReport:
     graph_index: int = -1
     builds: list[dict] = field(default_factory=list)
     recompile_reason: str | None = None
+    routing: Any = None  # graphopt.ops.moe.RoutingLog, filled while the graph runs (record_routing)
 
     def add_fallback(self, where: str, reason: str) -> None:
         self.fallbacks.append({"where": where, "reason": reason})
@@ -84,8 +87,21 @@ class CompileReport:
             "compile_s": self.compile_s,
             "builds": [dict(b) for b in self.builds],
             "recompile_reason": self.recompile_reason,
+            "routing": self.routing.summary() if self.routing is not None else None,
             "int4": int4_summary({"passes": passes}),  # None unless quantize_int4 ran
         }
+
+
+def routing_table(layers: list[dict]) -> str:
+    """``to_dict()["routing"]`` as a small text table: one row per MoE layer."""
+    lines = [f"{'layer':<28} {'calls':>5} {'tokens':>6}  {'tokens per expert':<28} {'max/mean':>8} {'top-k jitter':>14}"]
+    for r in layers:
+        jitter = (f"{r['topk_change_rate']:.3f} ({r['topk_changes']}/{r['rows_compared']})"
+                  if r["topk_change_rate"] is not None else "- (no steps)")
+        imbalance = f"{r['imbalance']:.2f}" if r["imbalance"] is not None else "-"
+        lines.append(f"{r['layer']:<28} {r['calls']:>5} {r['tokens']:>6}  {' '.join(map(str, r['tokens_per_expert'])):<28} "
+                     f"{imbalance:>8} {jitter:>14}")
+    return "\n".join(lines)
 
 
 _lock = threading.Lock()

@@ -94,42 +94,69 @@ register("moe")
 # --- routing observability --------------------------------------------------------------------
 
 class RoutingLog:
-    """The experts the reference op chose while :func:`record_routing` was active, per MoE
-    layer (told apart by its router weight) and per call: for a decode loop, one call per
-    layer and step, so consecutive calls of a layer are consecutive tokens of each row."""
+    """The experts chosen per MoE layer and per call while recording was on: by the reference
+    op inside :func:`record_routing` (layers told apart by their router weight), or by a
+    compiled graph with ``options={"record_routing": True}`` (layers named after their
+    ``graphopt.moe`` node). For a decode loop that is one call per layer and step, so two
+    consecutive calls of a layer with the same number of tokens are consecutive tokens of
+    each row."""
 
     def __init__(self) -> None:
-        self.layers: dict[int, list[Tensor]] = {}  # router weight's data_ptr -> [T, k] per call
-        self.num_experts: dict[int, int] = {}
+        self.layers: dict = {}  # layer key -> [T, k] int64 expert ids per call
+        self.num_experts: dict = {}
+        self.names: dict = {}
 
     def add(self, router_weight: Tensor, experts: Tensor) -> None:
+        self.add_layer(router_weight.data_ptr(), router_weight.shape[0], experts)
+
+    def add_layer(self, key, num_experts: int, experts: Tensor, name: str | None = None) -> None:
         if isinstance(experts, torch._subclasses.FakeTensor):
             return  # tracing, not running: nothing was routed
-        key = router_weight.data_ptr()
         self.layers.setdefault(key, []).append(experts.detach().cpu())
-        self.num_experts[key] = router_weight.shape[0]
+        self.num_experts[key] = num_experts
+        self.names.setdefault(key, name if name is not None else f"moe{len(self.names)}")
 
     def tokens_per_expert(self) -> list[list[int]]:
         """Per layer: how many (token, slot) pairs each expert received, over all calls."""
         return [torch.bincount(torch.cat([c.reshape(-1) for c in calls]), minlength=self.num_experts[key]).tolist()
                 for key, calls in self.layers.items()]
 
+    def _changes(self, calls: list[Tensor]) -> tuple[int, int]:
+        """(rows whose top-k expert *set* changed, rows compared) over consecutive calls with
+        the same number of tokens; a prefill next to a decode step is not the same rows."""
+        changed = total = 0
+        for prev, cur in zip(calls, calls[1:]):
+            if prev.shape != cur.shape:
+                continue
+            changed += int((prev.sort(-1).values != cur.sort(-1).values).any(-1).sum())
+            total += cur.shape[0]
+        return changed, total
+
     def topk_change_rate(self) -> list[float | None]:
-        """Per layer: the fraction of rows whose top-k expert *set* differs between two
+        """Per layer: the fraction of rows whose top-k expert set differs between two
         consecutive calls of the same batch size (consecutive decode steps); None without any."""
         rates = []
         for calls in self.layers.values():
-            changed = total = 0
-            for prev, cur in zip(calls, calls[1:]):
-                if prev.shape != cur.shape:
-                    continue  # a prefill next to a decode step: not the same tokens' rows
-                changed += int((prev.sort(-1).values != cur.sort(-1).values).any(-1).sum())
-                total += cur.shape[0]
+            changed, total = self._changes(calls)
             rates.append(changed / total if total else None)
         return rates
 
+    def summary(self) -> list[dict]:
+        """Per layer: name, experts, k, calls, tokens, tokens_per_expert, imbalance (max / mean
+        tokens per expert), topk_changes / rows_compared and topk_change_rate (the jitter)."""
+        rows = []
+        for (key, calls), counts, rate in zip(self.layers.items(), self.tokens_per_expert(), self.topk_change_rate()):
+            changed, total = self._changes(calls)
+            mean = sum(counts) / len(counts)
+            rows.append({"layer": self.names[key], "experts": self.num_experts[key], "k": calls[0].shape[-1],
+                         "calls": len(calls), "tokens": sum(c.shape[0] for c in calls), "tokens_per_expert": counts,
+                         "imbalance": max(counts) / mean if mean else None, "topk_changes": changed,
+                         "rows_compared": total, "topk_change_rate": rate})
+        return rows
+
     def to_dict(self) -> dict:
-        return {"tokens_per_expert": self.tokens_per_expert(), "topk_change_rate": self.topk_change_rate()}
+        return {"tokens_per_expert": self.tokens_per_expert(), "topk_change_rate": self.topk_change_rate(),
+                "layers": self.summary()}
 
 
 _recording: list[RoutingLog] = []
