@@ -67,7 +67,7 @@ def add_routing_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[
 def _layer_name(node: fx.Node, router_weight: fx.Node) -> str:
     """The router's parameter path without ``.weight`` (``model.layers.0.mlp.gate``), else the node's name."""
     if router_weight.op == "get_attr":
-        return str(router_weight.target).removesuffix(".weight").removesuffix("_weight")
+        return str(router_weight.target).removeprefix("w_").removesuffix(".weight").removesuffix("_weight")
     return node.name
 
 
@@ -94,3 +94,17 @@ def lower_recording_routing(gm: fx.GraphModule, lower: Callable[[fx.GraphModule]
         return lower(gm)
     report.routing = RoutingLog()
     return recording(lower(instrumented), instrumented, layers, report.routing)
+
+
+def merged_summary(reports) -> list[dict]:
+    """The routing of several graphs' reports (a prefill graph and a decode graph) as one
+    summary per MoE layer, the layers named alike merged, calls in the reports' order."""
+    merged = RoutingLog()
+    for report in sorted(reports, key=lambda r: r.graph_index):
+        log = report.routing
+        if log is None:
+            continue
+        for key, calls in log.layers.items():
+            for ids in calls:
+                merged.add_layer(log.names[key], log.num_experts[key], ids, log.names[key])
+    return merged.summary()

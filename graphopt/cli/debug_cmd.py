@@ -44,6 +44,8 @@ def debug(
     replay: Path = typer.Option(None, "--replay", help="rerun the failure stored in a --reproducer directory (exit 1 while it fails)"),
     seq_len: int = typer.Option(16, "--seq-len", help="sequence length of the random inputs"),
     seed: int = typer.Option(0, help="seed for weights and inputs"),
+    routing: bool = typer.Option(False, "--routing", help="MoE models: compile with record_routing, run the prompt and --decode-steps steps; print tokens per expert and top-k jitter per layer"),
+    decode_steps: int = typer.Option(8, "--decode-steps", help="decode steps after the prompt for --routing"),
     json_out: bool = typer.Option(False, "--json", help="print everything as JSON"),
 ) -> None:
     """Run graphopt's pipeline on MODEL with pass instrumentation.
@@ -70,6 +72,9 @@ def debug(
         [get_pass(name).name for name in names] for names in (why, print_ir_before, print_ir_after, disable_pass))
     config = parse_options([], pipeline=pipeline, disable_passes=list(disable_pass) or None,
                            bisect_limit=bisect_limit, tolerance=tolerance, target="eager")
+    if routing:
+        _routing(model, config, seq_len, seed, decode_steps, json_out)
+        return
     with step(f"loading {model}", json_out):
         loaded = load(model, seed, 1, seq_len)
     with step("capturing ATen graphs", json_out):
@@ -117,6 +122,48 @@ def debug(
     for g in results:
         debug_print.print_graph(g, timing or check_numerics, why)
     debug_print.print_extras(out)
+
+
+def _routing(model: str, config, seq_len: int, seed: int, steps: int, json_out: bool) -> None:
+    """Greedy decode with ``record_routing`` on (eager target): per MoE layer, tokens per expert
+    over prompt and steps, and how often a row's top-k expert set changes from step to step."""
+    import graphopt
+    from graphopt.cli.model_source import load_model
+    from graphopt.generation import generate
+    from graphopt.routing import merged_summary
+
+    if steps < 2:
+        raise OptionsError(f"--decode-steps must be at least 2 to compare consecutive steps, got {steps}")
+    with step(f"loading {model}", json_out):
+        loaded = load_model(model, seed, batch=1, seq_len=seq_len, single_output=False)
+    if loaded.family not in ("llama", "hf-causal-lm"):
+        raise OptionsError(f"--routing decodes a causal LM with MoE layers (e.g. a Mixtral config.json); "
+                           f"{model} is a {loaded.family} model")
+    graphopt.reset()
+    with step(f"decoding {steps} steps with record_routing", json_out):
+        # steps + 1 tokens: the prompt's pass gives the first, each decode step one more
+        result = generate(loaded.module, loaded.example_inputs[0], steps + 1,
+                          options=config.replace(record_routing=True).to_dict())
+    reports = result.reports
+    out = {"model": loaded.name, "prompt_tokens": int(loaded.example_inputs[0].numel()), "decode_steps": steps,
+           "target": result.target, "layers": merged_summary(reports), "why_empty": None}
+    if not out["layers"]:
+        out["why_empty"] = _no_routing_reason(result, reports)
+    if json_out:
+        print_json(out)
+        return
+    debug_print.print_routing(out)
+
+
+def _no_routing_reason(result, reports) -> str:
+    """One line: why a --routing run recorded nothing."""
+    if result.fallback:
+        return f"graphopt did not compile the model ({result.fallback}); nothing was recorded"
+    misses = [m for r in reports for m in r.near_misses if m.pass_name == "fuse_moe"]
+    if misses:
+        return f"no graphopt.moe in the compiled graphs; fuse_moe: {misses[0].reason}"
+    return ("no graphopt.moe in the compiled graphs: the model has no MoE block fuse_moe recognises "
+            "(see graphopt debug MODEL --why fuse_moe)")
 
 
 def _pipeline_names(config) -> str:

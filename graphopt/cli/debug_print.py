@@ -112,3 +112,28 @@ def print_replay(outcome) -> None:
     else:
         console.print(f"[green]not reproduced:[/] pass {outcome.pass_name} now {outcome.status} "
                       f"(it failed with: {escape(outcome.expected_error)})")
+
+
+def print_routing(out: dict, width: int = 40) -> None:
+    """``--routing``: per MoE layer, a bar per expert (its share of (token, slot) pairs) and
+    the top-k jitter between consecutive decode steps."""
+    from graphopt.report import routing_table
+
+    console.print(f"routing of {escape(out['model'])}: a {out['prompt_tokens']}-token prompt, then "
+                  f"{out['decode_steps']} decode steps (target {out['target']})")
+    if not out["layers"]:
+        console.print(f"[yellow]nothing recorded:[/] {escape(out['why_empty'])}")
+        return
+    for layer in out["layers"]:
+        counts = layer["tokens_per_expert"]
+        top = max(counts) or 1
+        console.print(f"\n[bold]{escape(layer['layer'])}[/]: {layer['tokens']} tokens x top-{layer['k']}, "
+                      f"max/mean {fmt(layer['imbalance'])}")
+        for expert, n in enumerate(counts):
+            console.print(f"  expert {expert:>3} {'#' * round(width * n / top):<{width}} {n}", highlight=False)
+        rate = layer["topk_change_rate"]
+        console.print("  top-k jitter: " + (f"{rate:.3f} ({layer['topk_changes']} of {layer['rows_compared']} rows "
+                                             "changed their expert set between consecutive steps)"
+                                             if rate is not None else "no consecutive steps of the same size"))
+    console.print("")
+    console.print(escape(routing_table(out["layers"])), highlight=False)

@@ -111,3 +111,36 @@ def test_a_graph_without_moe_says_there_was_nothing_to_record():
 def test_option_type_is_checked():
     with pytest.raises(graphopt.errors.OptionsError, match="record_routing"):
         graphopt.Options.parse({"record_routing": "maybe"})
+
+
+@pytest.fixture(scope="module")
+def mixtral_config(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("mixtral") / "config.json"
+    transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               num_local_experts=4, num_experts_per_tok=2).to_json_file(str(path))
+    return str(path)
+
+
+@pytest.mark.slow  # compiles and decodes a 2-layer Mixtral: a minute on the loaded CI machine
+def test_debug_routing_decodes_and_prints_histogram_and_jitter(mixtral_config, capsys):
+    from graphopt.cli import debug_print
+    from tests.debug.conftest import debug_json
+
+    out = debug_json(mixtral_config, "--routing", "--decode-steps", "4", "--seq-len", "6")
+    assert out["target"] == "eager" and out["why_empty"] is None
+    assert [layer["layer"] for layer in out["layers"]] == [f"model_model_layers_{i}_mlp_gate" for i in range(2)]
+    for layer in out["layers"]:
+        assert layer["calls"] == 1 + 4, "the prompt, then one call per decode step"
+        assert sum(layer["tokens_per_expert"]) == (6 + 4) * 2 == layer["tokens"] * layer["k"]
+        assert layer["rows_compared"] == 4 - 1 and 0 <= layer["topk_changes"] <= 3
+    debug_print.print_routing(out)
+    text = capsys.readouterr().out
+    assert "expert   0 #" in text and "top-k jitter" in text and "model_model_layers_1_mlp_gate" in text
+
+
+def test_debug_routing_refuses_a_single_step(mixtral_config):
+    from tests.debug.conftest import debug
+
+    result = debug(mixtral_config, "--routing", "--decode-steps", "1", expect_code=1)
+    assert "--decode-steps must be at least 2" in result.output + str(result.exception)
