@@ -10,8 +10,14 @@ Hessian's Cholesky factor), so later columns absorb what earlier ones lost.
 Here each group of ``group_size`` columns gets its scale (and zero point) from the
 weights as they stand when the group is reached (error already fed into them): symmetric
 as ONNX Runtime's recipe (``scale = extreme / -(2 ** (bits - 1))``) or asymmetric over
-[min, max]. No activation order: groups stay contiguous and aligned with K, so the output
-is the MatMulNBits format.
+[min, max]. Groups stay contiguous and aligned with K, so the output is the MatMulNBits
+format.
+
+``act_order=True`` visits the columns by descending Hessian diagonal (the inputs with the
+most energy first, while the most columns are left to absorb their error), as GPTQ's
+"act-order" does. The groups stay static: every group's scale comes from the weight
+before any feedback, so the format is unchanged (block-contiguous along K) and nothing
+has to be reordered at run time.
 
 ``output_error(w, q, h)`` is the activation-weighted error ``tr(E H E^T) / tr(W H W^T)``
 the pass reports per layer and ranks layers by when it spends a byte budget.
@@ -41,7 +47,8 @@ def hessian(x: Tensor) -> Tensor:
 
 
 def gptq(weight: Tensor, h: Tensor, group_size: int, bits: int, scale_dtype: torch.dtype,
-         symmetric: bool = True, tokens: int | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
+         symmetric: bool = True, tokens: int | None = None, act_order: bool = False,
+         damping: float = DAMPING) -> tuple[Tensor, Tensor, Tensor | None]:
     """Codes uint8 ``[N, K_pad]`` (0 .. 2**bits - 1), scales ``[N, G]`` and zero points uint8
     ``[N, G]`` (None when symmetric: 2**(bits-1)) of ``weight`` [N, K], given the
     calibration Hessian ``h`` [K, K] summed over ``tokens`` rows.
@@ -66,20 +73,38 @@ def gptq(weight: Tensor, h: Tensor, group_size: int, bits: int, scale_dtype: tor
     dead = hp.diagonal() == 0
     live = hp.diagonal()[~dead]
     hp[dead, dead] = live.mean() if live.numel() else 1.0
-    damping = max(DAMPING, SCARCE * (k / tokens) ** 2) if tokens else DAMPING
+    damping = max(damping, SCARCE * (k / tokens) ** 2) if tokens else damping
     hp += damping * hp.diagonal().mean() * torch.eye(k_pad, dtype=torch.float64)
+    groups_of = torch.arange(k_pad) // group_size
+    scales = zeros = None
+    if act_order:  # static groups: each group's grid from the weight as it is, before feedback
+        order = torch.argsort(hp.diagonal(), descending=True, stable=True)
+        scales, zeros = _group_grid(w.view(n, groups, group_size).transpose(0, 1).reshape(groups * n, group_size),
+                                    bits, symmetric, scale_dtype)
+        scales, zeros = scales.view(groups, n).T.contiguous(), zeros.view(groups, n).T.contiguous()
+        w, hp, groups_of = w[:, order], hp[order][:, order], groups_of[order]
     hinv = _inverse_cholesky(hp).float()
     with _one_thread():  # small per-column steps: threads cost more than they give (quantization.py)
-        return _columns(w, hinv, group_size, bits, scale_dtype, symmetric)
+        codes, scales, zeros = _columns(w, hinv, group_size, groups_of, bits, scale_dtype, symmetric, scales, zeros)
+    if act_order:
+        codes = codes[:, torch.argsort(order)]
+    return codes, scales.to(scale_dtype), None if symmetric else zeros.to(torch.uint8)
 
 
-def _columns(w: Tensor, hinv: Tensor, group_size: int, bits: int, scale_dtype: torch.dtype, symmetric: bool):
+def _columns(w: Tensor, hinv: Tensor, group_size: int, groups_of: Tensor, bits: int, scale_dtype: torch.dtype,
+             symmetric: bool, scales: Tensor | None, zeros: Tensor | None):
+    """Codes of ``w``'s columns in their order here (``groups_of[i]``: column i's group).
+    With ``scales``/``zeros`` given the grid is fixed; else each group's grid is set when
+    its first column is reached (columns then come in K order)."""
     n, k_pad = w.shape
     groups = k_pad // group_size
     top = 2 ** bits - 1
     codes = torch.zeros(n, k_pad, dtype=torch.uint8)
-    scales = torch.zeros(n, groups, dtype=torch.float32)
-    zeros = torch.full((n, groups), float(2 ** (bits - 1)))
+    static = scales is not None
+    if not static:
+        scales = torch.zeros(n, groups, dtype=torch.float32)
+        zeros = torch.full((n, groups), float(2 ** (bits - 1)))
+    groups_of = groups_of.tolist()
     for start in range(0, k_pad, BLOCK):
         stop = min(start + BLOCK, k_pad)
         block = w[:, start:stop].clone()
@@ -87,8 +112,8 @@ def _columns(w: Tensor, hinv: Tensor, group_size: int, bits: int, scale_dtype: t
         hb = hinv[start:stop, start:stop]
         for i in range(stop - start):
             col = start + i
-            g = col // group_size
-            if col % group_size == 0:
+            g = groups_of[col]
+            if not static and col % group_size == 0:
                 scales[:, g], zeros[:, g] = _group_grid(block[:, i:i + group_size], bits, symmetric, scale_dtype)
             s, z = scales[:, g], zeros[:, g]
             q = (_round(block[:, i] / s) + z).clamp(0, top)
@@ -97,7 +122,7 @@ def _columns(w: Tensor, hinv: Tensor, group_size: int, bits: int, scale_dtype: t
             block[:, i:] -= err.unsqueeze(1) * hb[i, i:].unsqueeze(0)
             errors[:, i] = err
         w[:, stop:] -= errors @ hinv[start:stop, stop:]
-    return codes, scales.to(scale_dtype), None if symmetric else zeros.to(torch.uint8)
+    return codes, scales, zeros
 
 
 def _group_grid(group: Tensor, bits: int, symmetric: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

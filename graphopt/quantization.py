@@ -86,16 +86,17 @@ def scale_dtype_of(name: str | torch.dtype) -> torch.dtype:
 
 def quantize_int4(weight: Tensor, group_size: int = 32, symmetric: bool = True,
                   scale_dtype: str | torch.dtype = "float16", search: str = "rtn",
-                  hessian: Tensor | None = None, tokens: int | None = None) -> Int4Weight:
+                  hessian: Tensor | None = None, tokens: int | None = None, act_order: bool = False) -> Int4Weight:
     """Quantize an [N, K] weight group-wise along K (see the module docstring); ``hessian``
-    (X^T X of ``tokens`` calibration activations, [K, K]) is what ``search="gptq"`` needs."""
+    (X^T X of ``tokens`` calibration activations, [K, K]) is what ``search="gptq"`` needs,
+    ``act_order`` its column order (graphopt/quant_gptq.py)."""
     _check(weight, group_size, search, hessian)
     dtype = scale_dtype_of(scale_dtype)
     n, k = weight.shape
     if search == "gptq":
         from graphopt.quant_gptq import gptq
 
-        codes, scales, zeros = gptq(weight, hessian, group_size, 4, dtype, symmetric, tokens)
+        codes, scales, zeros = gptq(weight, hessian, group_size, 4, dtype, symmetric, tokens, act_order)
         return Int4Weight(pack_int4(codes), scales, pack_int4(zeros) if zeros is not None else None, group_size, k)
     groups = -(-k // group_size)
     rows = max(1, _CHUNK_ELEMENTS // (groups * group_size))
@@ -110,7 +111,7 @@ def quantize_int4(weight: Tensor, group_size: int = 32, symmetric: bool = True,
 
 
 def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch.dtype = "float32",
-                  hessian: Tensor | None = None, tokens: int | None = None) -> Int4Weight:
+                  hessian: Tensor | None = None, tokens: int | None = None, act_order: bool = False) -> Int4Weight:
     """Symmetric 8-bit group-wise quantization (``graphopt.int8_linear``'s format): GPTQ
     when ``hessian`` is given, else round-to-nearest with the group's extreme on -128."""
     _check(weight, group_size, "gptq" if hessian is not None else "rtn", hessian)
@@ -119,7 +120,7 @@ def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch
     if hessian is not None:
         from graphopt.quant_gptq import gptq
 
-        codes, scales, _ = gptq(weight, hessian, group_size, 8, dtype, tokens=tokens)
+        codes, scales, _ = gptq(weight, hessian, group_size, 8, dtype, tokens=tokens, act_order=act_order)
         return Int4Weight(codes, scales, None, group_size, k, bits=8)
     groups = -(-k // group_size)
     w = torch.nn.functional.pad(weight.detach().float(), (0, groups * group_size - k)).view(n, groups, group_size)

@@ -73,3 +73,43 @@ def test_budget_moves_the_layers_with_most_error_per_byte_to_8_bits():
     assert [layer["bits"] for layer in layers] == [4, 8, 8]
     with pytest.raises(ValueError, match="raise the budget"):
         allocate_bits([dict(layers[0], bits=4)], budget=0.1)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_act_order_keeps_the_format_and_lowers_the_output_error(bits):
+    torch.manual_seed(0)
+    w = torch.randn(64, 128) * 0.05
+    x = activations()
+    h = hessian(x)
+    if bits == 4:
+        rtn = quantize_int4(w, 32, True, "float32", "rtn")
+        plain = quantize_int4(w, 32, True, "float32", "gptq", hessian=h)
+        ordered = quantize_int4(w, 32, True, "float32", "gptq", hessian=h, act_order=True)
+    else:
+        rtn = quantize_int8(w, 32, "float32")
+        plain = quantize_int8(w, 32, "float32", h)
+        ordered = quantize_int8(w, 32, "float32", h, act_order=True)
+    e_rtn, e_plain, e_ordered = (output_error(w, q.dequantize(), h) for q in (rtn, plain, ordered))
+    # Measured at 4 bits over 5 seeds: plain GPTQ 0.04-0.29x of RTN's output error, act-order 0.014-0.016x
+    # (the loud channels go first, while every other column can still absorb their error).
+    assert e_ordered < 0.5 * e_plain < 0.5 * e_rtn
+    # Static groups: the grid is RTN's (the weight before feedback), and the codes are block-32 along K
+    # in the input order, so the op computes with exactly the dequantized weight.
+    torch.testing.assert_close(ordered.scales, rtn.scales)
+    if bits == 4:
+        y = torch.ops.graphopt.int4_linear(x[:5], ordered.packed, ordered.scales, ordered.zeros, 32)
+    else:
+        y = int8_linear(x[:5], ordered.packed, ordered.scales, 32)
+    torch.testing.assert_close(y, x[:5] @ ordered.dequantize().T, rtol=1e-5, atol=1e-5)
+
+
+def test_act_order_with_a_ragged_k_and_dead_channels():
+    torch.manual_seed(0)
+    w = torch.randn(16, 80)
+    x = activations(k=80)
+    x[:, 5] = 0
+    h = hessian(x)
+    q = quantize_int4(w, 32, True, "float16", "gptq", hessian=h, act_order=True)
+    assert q.packed.shape == (16, 48) and q.scales.shape == (16, 3)
+    rtn = quantize_int4(w, 32, True, "float16", "rtn")
+    assert output_error(w, q.dequantize(), h) < output_error(w, rtn.dequantize(), h)
