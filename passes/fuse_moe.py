@@ -20,9 +20,16 @@ Routing weights renormalised by their sum (Mixtral) set ``normalize``.
 
 Preconditions: router, gathers and shared expert read the same [tokens, hidden] input
 (through views); every weight is a frozen constant; both grouped GEMMs use the same offsets
-from the same sort; the sum's input has no other reader. Transformers' loop over experts
-with ``index_add_`` (its ``eager`` experts implementation) does not reach a pass whole: the
-loop's trip count depends on data, so dynamo breaks the graph there.
+from the same sort; the sum's input has no other reader.
+
+Not matched, with a near miss at the router's ``topk`` that says so: transformers' loop over
+experts with ``index_add_`` (its ``eager`` experts implementation). transformers 5.x loops
+``for expert in nonzero(hit)``, a trip count that depends on the routing: dynamo breaks the
+graph there even with ``capture_dynamic_output_shape_ops``, and torch.export refuses it
+(a guard on a data-dependent size), so the router's expert ids leave the graph and the
+experts run in others. The older ``for e in range(num_experts)`` loop is captured whole
+with that flag, as ``nonzero``/``index``/``index_add`` chains with data-dependent sizes;
+fuse_moe matches neither and names the grouped_mm spelling in its near miss.
 """
 
 from __future__ import annotations
@@ -215,13 +222,43 @@ def shared_expert(total: fx.Node, routed: fx.Node, x: fx.Node) -> SharedExpert:
     return SharedExpert(total, gate_up, down, gate)
 
 
+GROUPED_MM_HINT = ("load the model with experts_implementation='grouped_mm' (transformers' default under "
+                   "torch.compile), the spelling fuse_moe fuses")
+
+
+def expert_loop_miss(topk: fx.Node) -> str | None:
+    """Why a router ``topk`` heads an expert loop fuse_moe cannot fuse, or None: its expert ids
+    leave the graph with no expert in it (the experts run in other graphs), or feed a
+    ``nonzero`` / ``index_add`` loop captured whole."""
+    ids = [u for u in topk.users if is_op(u, operator.getitem) and u.args[1] == 1]
+    below = _downstream(ids, 12)
+    if any(is_op(n, *_grouped_mm_targets()) for n in below):
+        return None  # the grouped_mm spelling: the sum over k anchors it
+    if not any(is_op(n, aten.index_add.default) for n in below) and any(n.op == "output" for n in below):
+        return ("router top-k's expert ids leave the graph, so the experts run in other graphs: transformers' "
+                "eager experts loop (for expert in expert_hit: ... index_add_) breaks dynamo's graph, its trip "
+                "count depends on the routing; " + GROUPED_MM_HINT)
+    if any(is_op(n, aten.nonzero.default, aten.index_add.default) for n in below):
+        return ("expert loop over nonzero(expert mask) with index_add_ (data-dependent sizes) is not a spelling "
+                "fuse_moe matches; " + GROUPED_MM_HINT)
+    return None
+
+
 class FuseMoe(PatternPass):
     name = "fuse_moe"
     summary = "router softmax/top-k, sorted grouped SwiGLU experts, weighted sum (+ shared expert) -> graphopt.moe"
     requires = ("fuse_gated_mlp",)  # experts' and shared expert's activation is graphopt.swiglu by then
-    anchors = (aten.sum.dim_IntList,)
+    # The sum over k is where a fusable block ends; a router topk is watched only to name an
+    # expert loop (index_add_) that did not reach this graph whole.
+    anchors = (aten.topk.default, aten.sum.dim_IntList)
 
     def screen(self, combine: fx.Node) -> str | None:
+        if is_op(combine, aten.topk.default):
+            if not is_op(strip_casts(combine.args[0]), *SOFTMAX_OPS):
+                return "a top-k that is no router's (no softmax in front)"
+            if expert_loop_miss(combine) is None:
+                return "router top-k of a block that ends in a sum over k (matched from there)"
+            return None
         source = combine.args[0]
         if not (is_op(source, *VIEW_OPS) and val(source) is not None and val(source).dim() == 3
                 and list(combine.args[1]) == [1]):
@@ -231,6 +268,8 @@ class FuseMoe(PatternPass):
         return None
 
     def match(self, combine: fx.Node, options) -> MoeMatch:
+        if is_op(combine, aten.topk.default):
+            raise NoMatch(expert_loop_miss(combine), combine)
         m = moe_via_grouped_mm(combine)
         out = combine
         while len(out.users) == 1 and is_cast(next(iter(out.users))):
@@ -260,6 +299,15 @@ def _upstream(node: fx.Node, depth: int) -> list[fx.Node]:
     for _ in range(depth):
         frontier = [a for n in frontier for a in n.all_input_nodes]
         seen += frontier
+    return seen
+
+
+def _downstream(nodes: list[fx.Node], depth: int) -> set[fx.Node]:
+    """Nodes (the output node included) up to ``depth`` edges below ``nodes``."""
+    seen, frontier = set(), list(nodes)
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen.update(frontier)
     return seen
 
 

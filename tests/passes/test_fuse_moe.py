@@ -123,6 +123,78 @@ def test_skips_a_router_that_is_not_a_softmax():
     assert_matches_eager(out, want, rel=1e-5)
 
 
+def compile_in_pieces(module, x, **flags):
+    """torch.compile without fullgraph (dynamo may break the graph), default fallback; returns
+    (out, reports): the pipeline's failures on a graph are skipped, as users get them."""
+    import graphopt
+
+    torch._dynamo.reset()
+    graphopt.reset()
+    with torch._dynamo.config.patch(**flags):
+        compiled = torch.compile(module, backend="graphopt", options={"target": "eager", "pipeline": PIPE})
+        with torch.no_grad():
+            out = compiled(x)
+    return out, graphopt.reports()
+
+
+def fuse_moe_misses(reports):
+    return [(r.graph_index, m) for r in reports for m in r.near_misses if m.pass_name == "fuse_moe"]
+
+
+@pytest.mark.parametrize("flags", [{}, {"capture_dynamic_output_shape_ops": True}], ids=["default", "capture_nonzero"])
+def test_skips_the_eager_experts_loop_naming_the_graph_break(flags):
+    # transformers' own eager experts (for expert in nonzero(hit): ... index_add_): dynamo breaks
+    # the graph at that loop, with or without capturing nonzero, so no graph holds router and experts.
+    block = moe_block("mixtral", experts_implementation="eager")
+    x = x_in()
+    out, reports = compile_in_pieces(block, x, **flags)
+    assert len(reports) > 1, "dynamo broke the block into several graphs"
+    assert all(count(r, "graphopt.moe") == 0 for r in reports)
+    ((graph, miss),) = fuse_moe_misses(reports)
+    assert graph == 0 and miss.node == "topk", miss
+    assert "expert ids leave the graph" in miss.reason and "experts_implementation='grouped_mm'" in miss.reason
+    assert_matches_eager(out, eager(block, x), rel=1e-5)
+
+
+class RangeLoopMoe(torch.nn.Module):
+    """The expert loop of transformers 4.x's Mixtral block: for e in range(E), torch.where on
+    the expert mask, gather, SwiGLU expert, index_add_ into the output."""
+
+    def __init__(self, experts=4, k=2, inter=40):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.k = k
+        self.gate = torch.nn.Linear(HIDDEN, experts, bias=False)
+        self.w1, self.w3, self.w2 = (torch.nn.Parameter(torch.randn(experts, *shape, generator=g) * 0.3)
+                                     for shape in ((inter, HIDDEN), (inter, HIDDEN), (HIDDEN, inter)))
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(-1, HIDDEN)
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=1, dtype=torch.float), self.k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.w1.shape[0]).permute(2, 1, 0)
+        for e in range(self.w1.shape[0]):
+            slot, token = torch.where(mask[e])
+            h = x[token]
+            y = torch.nn.functional.linear(
+                torch.nn.functional.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t()), self.w2[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        return out.view_as(hidden_states)
+
+
+def test_skips_the_range_expert_loop_captured_with_data_dependent_sizes():
+    # With capture_dynamic_output_shape_ops dynamo captures this loop as one graph (nonzero,
+    # index, index_add with unbacked sizes); fuse_moe does not match it and says which spelling it does.
+    block = RangeLoopMoe().eval()
+    x = x_in()
+    out, reports = compile_in_pieces(block, x, capture_dynamic_output_shape_ops=True)
+    assert len(reports) == 1 and count(reports[0], "aten.index_add") == 4 and count(reports[0], "graphopt.moe") == 0
+    ((_, miss),) = fuse_moe_misses(reports)
+    assert "nonzero(expert mask) with index_add_" in miss.reason and "grouped_mm" in miss.reason, miss.reason
+    assert_matches_eager(out, eager(block, x), rel=1e-5)
+
+
 def test_reference_matches_a_per_token_loop():
     """The op's dense reference against the definition, token by token (top-k, renormalise,
     SwiGLU experts, weighted sum, gated shared expert)."""
