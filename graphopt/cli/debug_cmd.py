@@ -157,8 +157,14 @@ def _routing(model: str, config, seq_len: int, seed: int, steps: int, json_out: 
 
 def _no_routing_reason(result, reports) -> str:
     """One line: why a --routing run recorded nothing."""
+    from graphopt.passes.fuse_moe import GROUPED_MM_HINT
+
     if result.fallback:
-        return f"graphopt did not compile the model ({result.fallback}); nothing was recorded"
+        reason = result.fallback.splitlines()[0]
+        if "data-dependent" in reason:  # e.g. transformers' eager experts loop: its trip count depends on the routing
+            return (f"graphopt did not compile the model ({reason}); an expert loop whose trip count depends on "
+                    f"the routing cannot be captured: {GROUPED_MM_HINT}")
+        return f"graphopt did not compile the model ({reason}); nothing was recorded"
     misses = [m for r in reports for m in r.near_misses if m.pass_name == "fuse_moe"]
     if misses:
         return f"no graphopt.moe in the compiled graphs; fuse_moe: {misses[0].reason}"

@@ -144,3 +144,16 @@ def test_debug_routing_refuses_a_single_step(mixtral_config):
 
     result = debug(mixtral_config, "--routing", "--decode-steps", "1", expect_code=1)
     assert "--decode-steps must be at least 2" in result.output + str(result.exception)
+
+
+@pytest.mark.slow  # tries to export a Mixtral whose experts loop cannot be captured, then decodes eagerly
+def test_debug_routing_names_the_expert_loop_it_cannot_capture(mixtral_config, tmp_path):
+    import json
+
+    from tests.debug.conftest import debug_json
+
+    config = json.loads(open(mixtral_config).read())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "experts_implementation": "eager"}))
+    out = debug_json(str(tmp_path / "config.json"), "--routing", "--decode-steps", "2", "--seq-len", "4")
+    assert out["layers"] == []
+    assert "trip count depends on the routing" in out["why_empty"] and "grouped_mm" in out["why_empty"], out
