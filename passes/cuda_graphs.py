@@ -13,7 +13,12 @@ An op is left out when it
   would record a wait that never returns the value;
 - has a data-dependent or dynamic shape (an unbacked or symbolic size): a graph replays fixed shapes;
 - touches a CPU tensor, or tensors on two devices: a graph replays one device's stream;
-- is a collective: capturing process-group traffic needs its own setup.
+- is a collective over a process group that is not NCCL (RCCL on ROCm builds): gloo and
+  the others move data on the host. An NCCL collective (functional ``all_reduce``, the fused
+  ``graphopt.all_reduce_add_rms_norm``, ...) and the ``wait_tensor`` after it are ordinary
+  GPU stream work on each rank's one device, so they are captured with their neighbours
+  (the runtime's warm-up run before capture creates the communicator; every rank captures
+  and replays the same collectives in the same order, since every rank runs the same graph).
 Consecutive capturable ops form a region; the ops left out run eagerly between regions.
 On a graph with no CUDA/HIP tensor (the CPU) the pass marks nothing and says so.
 Preconditions: every node has ``meta["val"]`` (fake tensors carry the device).
@@ -35,6 +40,7 @@ aten = torch.ops.aten
 REGION = "graphopt_cuda_graph"  # node meta: the region index of a captured op
 SKIPPED = "graphopt_cuda_graph_skip"  # node meta: why an op runs eagerly
 PLAN = "graphopt_cuda_graph_plan"  # graph meta: the CapturePlan
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 HOST_SYNC = {
     aten._local_scalar_dense.default: "reads a value on the host (.item())",
@@ -102,13 +108,47 @@ def _is_cpu_scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu"
 
 
+def group_name_of(node: fx.Node) -> str | None:
+    """The process group a collective runs over: the argument its schema names ``group_name``
+    (functional collectives, graphopt's fused all-reduce ops), else None."""
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == "group_name":
+            return node.args[i] if i < len(node.args) else node.kwargs.get("group_name", arg.default_value)
+    return None
+
+
+def collective_reason(node: fx.Node) -> str | None:
+    """Why a collective (or the wait on one) cannot be captured; None for other ops and for
+    collectives over an NCCL group."""
+    if node.target is WAIT_TENSOR:
+        source = node.args[0]
+        if isinstance(source, fx.Node) and SKIPPED in source.meta:
+            return f"waits on {source.name}, which runs eagerly"
+        return None
+    group = group_name_of(node)
+    if group is None:
+        return None
+    try:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        backend = dist.get_backend(_resolve_process_group(group))
+    except Exception as error:  # noqa: BLE001  no such group here (a graph compiled elsewhere)
+        return f"collective over process group {group!r}, which this process cannot resolve ({type(error).__name__})"
+    if backend != "nccl":  # RCCL registers as nccl on ROCm builds
+        return (f"collective over a {backend} process group: only NCCL/RCCL collectives are GPU stream work "
+                "a graph can record")
+    return None
+
+
 def skip_reason(node: fx.Node, device: torch.device) -> str | None:
     """Why ``node`` cannot be captured on ``device``, or None when it can."""
     if node.target in HOST_SYNC:
         return HOST_SYNC[node.target]
-    name = ir.target_name(node.target)
-    if name.startswith(("_c10d_functional.", "c10d_functional.", "_dtensor.")):
-        return f"collective {name}: process-group capture is not set up"
+    collective = collective_reason(node)
+    if collective is not None:
+        return collective
     if "val" not in node.meta:
         return "no meta['val']: shapes and devices are unknown"
     for value in [node.meta["val"], *[a.meta.get("val") for a in node.all_input_nodes]]:
