@@ -62,13 +62,17 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
 
     def compile_aten(fw_gm: fx.GraphModule) -> Callable:
         placeholders = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
-        aligned = len(placeholders) == len(real_inputs)
-        frozen = freeze_static_inputs(fw_gm, real_inputs, names) if config.freeze_weights and aligned else set()
+        inputs, input_names, floats, static = real_inputs, names, dynamic_floats, None
+        if len(placeholders) != len(real_inputs):
+            inputs, input_names, floats, static = flatten_subclass_inputs(gm, real_inputs, names, dynamic_floats)
+        aligned = len(placeholders) == len(inputs)
+        frozen = (freeze_static_inputs(fw_gm, inputs, input_names, static) if config.freeze_weights and aligned
+                  else set())
         keep = [i for i in range(len(placeholders)) if i not in frozen]
-        user_inputs = [real_inputs[i] for i in keep] if aligned else None
+        user_inputs = [inputs[i] for i in keep] if aligned else None
         if user_inputs is not None and not all(isinstance(x, (torch.Tensor, int, float, bool)) for x in user_inputs):
             user_inputs = None  # symbolic inputs: nothing concrete to run numeric checks on
-        readers = dynamic_float_readers(fw_gm, dynamic_floats) if aligned else {}
+        readers = dynamic_float_readers(fw_gm, floats) if aligned else {}
         before = len(reports())
         shape_env = _shape_env()
         guards_before = len(shape_env.guards) if shape_env is not None else 0
@@ -280,15 +284,42 @@ def _readable_dynamo_name(name: str) -> str:
     return name.strip("_")
 
 
-def freeze_static_inputs(fw_gm: fx.GraphModule, real_inputs: Sequence[Any], names: Sequence[str]) -> set[int]:
+def flatten_subclass_inputs(gm: fx.GraphModule, real_inputs: Sequence[Any], names: Sequence[str],
+                            dynamic_floats: dict[int, str]) -> tuple[list, list[str], dict[int, str], set[int]]:
+    """Dynamo's inputs as aot_autograd's graph takes them, when a tensor subclass among them
+    (a DTensor weight from ``parallelize_module``) became several placeholders.
+
+    aot_autograd flattens each DTensor into its local tensor and its DeviceMesh, so without
+    this the placeholders no longer line up with dynamo's inputs: nothing is frozen and
+    merge_qkv / fuse_gated_mlp, which concatenate constant weights, never fire on a DTensor
+    model. Its own static indices cannot be used either: torch remaps them counting a DTensor
+    as its plain tensors only, not the mesh placeholder, so they point at the wrong inputs.
+    The static inputs come from dynamo's graph instead (``_dynamo_static_input_type``, what
+    aot_autograd reads), one per dynamo input, and each flattened piece inherits its owner's
+    name and static mark. Returns (inputs, names, dynamic floats, static indices).
+    """
+    from torch._functorch._aot_autograd.subclass_utils import unwrap_tensor_subclasses_with_indices_to_original
+
+    flat, owner = unwrap_tensor_subclasses_with_indices_to_original(list(real_inputs))
+    sources = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    static = {j for j, node in enumerate(sources)
+              if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")}
+    return (flat, [names[j] if j < len(names) else f"input_{j}" for j in owner],
+            {i: dynamic_floats[j] for i, j in enumerate(owner) if j in dynamic_floats},
+            {i for i, j in enumerate(owner) if j in static})
+
+
+def freeze_static_inputs(fw_gm: fx.GraphModule, real_inputs: Sequence[Any], names: Sequence[str],
+                         static: set[int] | None = None) -> set[int]:
     """Turn weight placeholders into get_attr constants; return the frozen input indices.
 
-    A placeholder is frozen when aot_autograd marks it static (parameters and buffers)
-    and the graph does not mutate it.
+    A placeholder is frozen when aot_autograd marks it static (parameters and buffers), or
+    ``static`` names it, and the graph does not mutate it.
     """
     context = TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
-    static = set(getattr(meta, "static_input_indices", None) or ())
+    if static is None:
+        static = set(getattr(meta, "static_input_indices", None) or ())
     if not static:
         static = {i for i, t in enumerate(real_inputs) if isinstance(t, torch.nn.Parameter)}
     input_info = getattr(meta, "input_info", None) or []

@@ -1,10 +1,12 @@
-"""Drop identity ops: ``alias(x)``, ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0``, a cast to
-x's own dtype  ->  ``x``.
+"""Drop identity ops: ``alias(x)``, ``view(x, x.shape)``, ``x * 1``, ``x / 1``, ``x + 0``,
+``x - 0``, a cast to x's own dtype  ->  ``x``.
 
 Why: models write these (Hugging Face scales rotary cos/sin by an ``attention_scaling``
-of 1.0, adds 0 to position offsets) and each one splits a pattern a fusion pass looks
-for. Precondition: the op must not change dtype, shape or device, and its value must not
-be a graph output (returning an input would make an output alias it).
+of 1.0, adds 0 to position offsets; a DTensor layer views each projection's input to its
+own shape, so q, k and v read three views and merge_qkv sees three inputs) and each one
+splits a pattern a fusion pass looks for. Precondition: the op must not change dtype,
+shape or device, and its value must not be a graph output (returning an input would make
+an output alias it).
 """
 
 from __future__ import annotations
@@ -25,15 +27,15 @@ def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
 
 class Canonicalize(PatternPass):
     name = "canonicalize"
-    summary = "drop identity ops (alias, x*1, x+0, casts to the same dtype) that split patterns"
-    anchors = (aten.alias.default, aten._to_copy.default, *IDENTITY_OPERAND)
+    summary = "drop identity ops (alias, same-shape views, x*1, x+0, same-dtype casts) that split patterns"
+    anchors = (aten.alias.default, aten.view.default, aten._to_copy.default, *IDENTITY_OPERAND)
     record_near_misses = False
 
     def match(self, node: fx.Node, options) -> fx.Node:
         expect(all(u.op != "output" for u in node.users), "value is a graph output")
         source = node.args[0]
-        if node.target is aten.alias.default:
-            pass
+        if node.target in (aten.alias.default, aten.view.default):
+            pass  # a view is an identity only when the shape check below holds
         elif node.target is aten._to_copy.default:
             expect(is_cast(node), "cast changes more than the dtype")
         else:

@@ -12,9 +12,9 @@ Two spellings of the same sharding:
   sees ordinary parameters, graphopt freezes them, and merge_qkv / fuse_gated_mlp fuse
   each shard.
 - ``style="dtensor"``: ``torch.distributed.tensor.parallel.parallelize_module`` with
-  ColwiseParallel / RowwiseParallel. It compiles and matches too, but its DTensor
-  parameters reach graphopt as graph inputs rather than frozen weights, so the passes that
-  concatenate weights (merge_qkv, fuse_gated_mlp) do not fire on it.
+  ColwiseParallel / RowwiseParallel. aot_autograd flattens each DTensor parameter into its
+  local tensor and DeviceMesh; graphopt's frontend lines those up with dynamo's inputs and
+  freezes the local tensors, so each shard fuses as the functional style does.
 """
 
 from __future__ import annotations

@@ -43,3 +43,18 @@ def test_skips_multiply_that_broadcasts():
     out, report = compile_with_graphopt(Broadcasting(), x, ones, passes=["canonicalize"])
     assert count(report, "aten.mul") == 1
     assert_matches_eager(out, eager(Broadcasting(), x, ones), rel=0)
+
+
+class Views(nn.Module):
+    """Each projection views x to x's own shape (what a DTensor layer's input hook traces to)."""
+
+    def forward(self, x):
+        return torch.sin(x.view(4, 8)) + torch.cos(x.view(4, 8)), torch.tanh(x.view(8, 4))
+
+
+def test_removes_same_shape_views_and_keeps_reshapes():
+    x = torch.randn(4, 8)
+    out, report = compile_with_graphopt(Views(), x, passes=["canonicalize"])
+    assert report.passes[0].matches == 2
+    assert count(report, "aten.view") == 1  # the [8, 4] reshape changes the shape: kept
+    assert_matches_eager(out, eager(Views(), x), rel=0)
