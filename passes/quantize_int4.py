@@ -70,6 +70,8 @@ class Int4Options:
         "help": "gptq: error feedback on calibration activations; rtn: round-to-nearest; mse: weight-error search"})
     calibration: list = field(default_factory=list, metadata={
         "help": "token ids to calibrate on (gptq, budget); empty: the example inputs"})
+    act_order: bool = field(default=True, metadata={
+        "help": "gptq: quantize the input channels with the most activation energy first (groups stay block-wise)"})
     head_bits: int = field(default=8, metadata={
         "help": "bits of a linear whose result is a graph output (an LM head): 4, 8, or 32 to keep it float"})
     budget: float = field(default=0.0, metadata={
@@ -250,8 +252,10 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
 
     def quantize(b: int) -> Int4Weight:
         if b == 8:
-            return quantization.quantize_int8(w, options.group_size, dtype, h if search == "gptq" else None, tokens)
-        return quantization.quantize_int4(w, options.group_size, options.symmetric, dtype, search, h, tokens)
+            return quantization.quantize_int8(w, options.group_size, dtype, h if search == "gptq" else None, tokens,
+                                              options.act_order)
+        return quantization.quantize_int4(w, options.group_size, options.symmetric, dtype, search, h, tokens,
+                                          options.act_order)
 
     q = quantize(bits)
     record = _layer_record(name, w, q, options, m.weight.target, search, h)
