@@ -94,14 +94,16 @@ class CompileReport:
 
 def routing_table(layers: list[dict]) -> str:
     """``to_dict()["routing"]`` as a small text table: one row per MoE layer."""
-    lines = [f"{'layer':<28} {'calls':>5} {'tokens':>6}  {'tokens per expert':<28} {'max/mean':>8} {'top-k jitter':>14}"]
+    rows = [["layer", "calls", "tokens", "tokens per expert", "max/mean", "top-k jitter"]]
     for r in layers:
         jitter = (f"{r['topk_change_rate']:.3f} ({r['topk_changes']}/{r['rows_compared']})"
                   if r["topk_change_rate"] is not None else "- (no steps)")
         imbalance = f"{r['imbalance']:.2f}" if r["imbalance"] is not None else "-"
-        lines.append(f"{r['layer']:<28} {r['calls']:>5} {r['tokens']:>6}  {' '.join(map(str, r['tokens_per_expert'])):<28} "
-                     f"{imbalance:>8} {jitter:>14}")
-    return "\n".join(lines)
+        rows.append([r["layer"], str(r["calls"]), str(r["tokens"]), " ".join(map(str, r["tokens_per_expert"])),
+                     imbalance, jitter])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(w) if i in (0, 3) else cell.rjust(w)
+                               for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows)
 
 
 _lock = threading.Lock()

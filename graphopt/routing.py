@@ -53,8 +53,7 @@ def add_routing_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[
             new.meta[ir.CREATED_BY] = "record_routing"
             ir.infer_val(new, fake_mode)
         ids.append(chosen)
-        experts = router_weight.meta["val"].shape[0] if "val" in router_weight.meta else ir.get_constant(router_weight).shape[0]
-        layers.append((_layer_name(node, router_weight), int(experts)))
+        layers.append((_layer_name(node, router_weight), int(router_weight.meta["val"].shape[0])))
     output = graph.output_node()
     original = output.args[0]
     flat = list(original) if isinstance(original, (tuple, list)) else [original]

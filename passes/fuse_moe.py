@@ -22,14 +22,19 @@ Preconditions: router, gathers and shared expert read the same [tokens, hidden] 
 (through views); every weight is a frozen constant; both grouped GEMMs use the same offsets
 from the same sort; the sum's input has no other reader.
 
-Not matched, with a near miss at the router's ``topk`` that says so: transformers' loop over
-experts with ``index_add_`` (its ``eager`` experts implementation). transformers 5.x loops
-``for expert in nonzero(hit)``, a trip count that depends on the routing: dynamo breaks the
-graph there even with ``capture_dynamic_output_shape_ops``, and torch.export refuses it
-(a guard on a data-dependent size), so the router's expert ids leave the graph and the
-experts run in others. The older ``for e in range(num_experts)`` loop is captured whole
-with that flag, as ``nonzero``/``index``/``index_add`` chains with data-dependent sizes;
-fuse_moe matches neither and names the grouped_mm spelling in its near miss.
+Spelling matched: ``moe_via_index_add_loop``, the loop over experts of transformers 4.x
+(``for e in range(E): slot, token = where(one_hot(ids).permute(2, 1, 0)[e]);
+out.index_add_(0, token, expert_e(x[token]) * w[token, slot])``), which dynamo captures as one
+graph only with ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``: a chain of
+``index_add`` from ``zeros``, one link per expert in order, each expert a SwiGLU MLP on
+frozen weights (one matrix per expert, or a slice of a 3-D one), stacked into the op's
+``[E, ...]`` weights; the loop's runtime size checks go with it.
+
+Not matched, with a near miss at the router's ``topk`` that says so: transformers 5.x's loop
+(its ``eager`` experts implementation) runs ``for expert in nonzero(hit)``, a trip count that
+depends on the routing: dynamo breaks the graph there even with that flag, and torch.export
+refuses it (a guard on a data-dependent size), so the router's expert ids leave the graph and
+the experts run in others. The near miss names the grouped_mm spelling, which fuses.
 """
 
 from __future__ import annotations
@@ -222,6 +227,115 @@ def shared_expert(total: fx.Node, routed: fx.Node, x: fx.Node) -> SharedExpert:
     return SharedExpert(total, gate_up, down, gate)
 
 
+# --- the loop over experts with index_add_ (transformers 4.x Mixtral / Qwen2-MoE) ------------
+
+ASSERT_OPS = (aten._assert_async.default, aten._assert_async.msg, aten._assert_scalar.default)
+
+
+@dataclass
+class LoopMatch(MoeMatch):
+    gate_up_parts: list = field(default_factory=list)  # per expert: [2 * inter, hidden] tensor
+    down_parts: list = field(default_factory=list)  # per expert: [hidden, inter] tensor
+    dropped: list = field(default_factory=list)  # runtime asserts of the loop's data-dependent sizes
+
+
+def _expert_matrix(node: fx.Node, what: str) -> torch.Tensor:
+    """A frozen 2-D weight: a constant, or ``select(constant, 0, e)`` of a 3-D one."""
+    if is_op(node, aten.select.int) and node.args[1] == 0 and ir.get_constant(node.args[0]) is not None:
+        return ir.get_constant(node.args[0])[node.args[2]]
+    tensor = ir.get_constant(node)
+    expect(tensor is not None, f"{what} weight is not a constant (freeze_weights=False?)", node)
+    return tensor
+
+
+def _expert_mlp(out: fx.Node, e: int) -> tuple[fx.Node, torch.Tensor, torch.Tensor]:
+    """(rows it reads, [W_gate; W_up], W_down) of ``down(silu(x @ Wg^T) * (x @ Wu^T))``, or of
+    ``down(graphopt.swiglu(x @ [Wg; Wu]^T))`` once fuse_gated_mlp has run."""
+    down = linear_producing(out, f"expert {e} down projection")
+    expect(down.bias is None, f"expert {e} down projection has a bias", down.bias)
+    act = down.x2d
+    if is_op(act, graphopt.swiglu.default):
+        gate_up = linear_producing(act.args[0], f"expert {e} gate/up projection")
+        expect(gate_up.bias is None, f"expert {e} gate/up projection has a bias", gate_up.bias)
+        return (gate_up.x2d, _expert_matrix(gate_up.weight, f"expert {e} gate/up"),
+                _expert_matrix(down.weight, f"expert {e} down"))
+    expect_op(act, MUL_OPS, f"expert {e} activation (silu(gate) * up)")
+    silu, up_out = commuted(act, lambda v: is_op(v, aten.silu.default), "silu of the gate projection")
+    gate = linear_producing(silu.args[0], f"expert {e} gate projection")
+    up = linear_producing(up_out, f"expert {e} up projection")
+    expect(gate.bias is None and up.bias is None, f"expert {e} gate or up projection has a bias", gate.gemm)
+    expect(gate.x2d is up.x2d, f"expert {e} gate and up projections read different rows", up.x2d)
+    weights = [_expert_matrix(lin.weight, f"expert {e} {w}") for lin, w in ((gate, "gate"), (up, "up"))]
+    return gate.x2d, torch.cat(weights), _expert_matrix(down.weight, f"expert {e} down")
+
+
+def _expert_ids_of_mask(mask: fx.Node) -> tuple[fx.Node, int]:
+    """``one_hot(ids, experts).permute(2, 1, 0)`` as aot writes it: ``_to_copy(eq(unsqueeze(ids,
+    -1), arange(experts)), int64)`` permuted; returns ``(ids, experts)``."""
+    expect(is_op(mask, aten.permute.default) and list(mask.args[1]) == [2, 1, 0],
+           "expert mask is not one_hot(ids).permute(2, 1, 0)", mask)
+    eq = strip_casts(mask.args[0])
+    expect_op(eq, (aten.eq.Tensor,), "expert mask (one_hot's comparison with an arange)")
+    ids, arange = eq.args[0], eq.args[1]
+    expect(is_op(arange, aten.arange.default) and isinstance(arange.args[0], int),
+           "expert mask does not compare the ids with arange(experts)", arange)
+    expect(is_op(ids, aten.unsqueeze.default) and ids.args[1] in (-1, 2), "expert mask does not unsqueeze the ids", ids)
+    return ids.args[0], arange.args[0]
+
+
+def moe_via_index_add_loop(last: fx.Node) -> LoopMatch:
+    """Match ``zeros -> index_add(0, token_e, expert_e(x[token_e]) * w[token_e, slot_e]) -> ...``
+    over every expert e, ``slot_e, token_e = where(mask[e])``, back to the router."""
+    links, acc = [], last
+    while is_op(acc, aten.index_add.default):
+        links.append(acc)
+        acc = acc.args[0]
+    links.reverse()
+    expect_op(acc, (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default), "expert loop accumulator")
+    mask, weights, x, gate_up, down, nonzeros = None, None, None, [], [], []
+    for e, link in enumerate(links):
+        expect(link.args[1] == 0 and all(len(u.args) > 0 for u in link.users),
+               f"expert {e}'s index_add is not along the token axis", link)
+        expect(link is last or len(link.users) == 1, f"expert {e}'s partial sum has other readers", link)
+        token = link.args[2]
+        unbind = _getitem(token, 1, (aten.unbind.int,), f"expert {e}'s token ids")
+        nonzero = expect_op(unbind.args[0], (aten.nonzero.default,), f"expert {e}'s (slot, token) pairs")
+        row = expect_op(nonzero.args[0], (aten.select.int,), f"expert {e}'s mask row")
+        expect(row.args[1] == 0 and row.args[2] == e, f"index_add {e} reads the mask row of expert {row.args[2]}", row)
+        expect(mask in (None, row.args[0]), "the experts read different masks", row)
+        mask = row.args[0]
+        nonzeros.append(nonzero)
+        weighted = strip_casts(link.args[3])
+        expect_op(weighted, MUL_OPS, f"expert {e}'s weighted output")
+        scale, expert_out = commuted(weighted, lambda v: is_op(v, aten.index.Tensor), "a gathered routing weight")
+        expect(len(scale.args[1]) == 2 and scale.args[1][0] is token, f"expert {e}'s weight is not w[token, slot]", scale)
+        slot = _getitem(scale.args[1][1], 0, (aten.unbind.int,), f"expert {e}'s slots")
+        expect(slot is unbind, f"expert {e}'s weight is not w[token, slot] of its own mask row", scale)
+        source = scale.args[0]
+        source = source.args[0] if is_op(source, aten.unsqueeze.default) else source
+        expect(weights in (None, source), "the experts read different routing weights", scale)
+        weights = source
+        rows, gu, dn = _expert_mlp(strip_casts(expert_out), e)
+        gather = rows.args[0] if is_op(rows, *VIEW_OPS) else rows
+        expect_op(gather, (aten.index.Tensor,), f"expert {e}'s rows (x[token])")
+        indices = [i for i in gather.args[1] if i is not None]
+        expect(indices == [token], f"expert {e} gathers rows other than its own tokens", gather)
+        source_x = gather.args[0].args[0] if is_op(gather.args[0], aten.unsqueeze.default) else gather.args[0]
+        expect(x in (None, _through_views(source_x)), "the experts read different inputs", gather)
+        x = _through_views(source_x)
+        gate_up.append(gu)
+        down.append(dn)
+    ids, classes = _expert_ids_of_mask(mask)
+    expect(len(links) == classes, f"the loop adds {len(links)} experts, the expert mask has {classes}", last)
+    routing = _routing(strip_casts(weights), ids)
+    experts = val(routing.router.weight).shape[0]
+    expect(classes == experts, f"the expert mask has {classes} experts, the router {experts}", mask)
+    expect(x is _through_views(routing.router.x2d), "router and experts read different inputs", x)
+    dropped = [n for n in _downstream([ids, *nonzeros], 4) if is_op(n, *ASSERT_OPS)]
+    return LoopMatch(last, routing.router.x2d, routing, (None, False), (None, False), gate_up_parts=gate_up,
+                     down_parts=down, dropped=dropped)
+
+
 GROUPED_MM_HINT = ("load the model with experts_implementation='grouped_mm' (transformers' default under "
                    "torch.compile), the spelling fuse_moe fuses")
 
@@ -238,10 +352,10 @@ def expert_loop_miss(topk: fx.Node) -> str | None:
         return ("router top-k's expert ids leave the graph, so the experts run in other graphs: transformers' "
                 "eager experts loop (for expert in expert_hit: ... index_add_) breaks dynamo's graph, its trip "
                 "count depends on the routing; " + GROUPED_MM_HINT)
-    if any(is_op(n, aten.nonzero.default, aten.index_add.default) for n in below):
-        return ("expert loop over nonzero(expert mask) with index_add_ (data-dependent sizes) is not a spelling "
+    if any(is_op(n, aten.nonzero.default) for n in below) and not any(is_op(n, aten.index_add.default) for n in below):
+        return ("expert loop over nonzero(expert mask) with no index_add_ into an output is not a spelling "
                 "fuse_moe matches; " + GROUPED_MM_HINT)
-    return None
+    return None  # a captured index_add_ loop: its last index_add anchors it
 
 
 class FuseMoe(PatternPass):
@@ -250,7 +364,7 @@ class FuseMoe(PatternPass):
     requires = ("fuse_gated_mlp",)  # experts' and shared expert's activation is graphopt.swiglu by then
     # The sum over k is where a fusable block ends; a router topk is watched only to name an
     # expert loop (index_add_) that did not reach this graph whole.
-    anchors = (aten.topk.default, aten.sum.dim_IntList)
+    anchors = (aten.topk.default, aten.sum.dim_IntList, aten.index_add.default)
 
     def screen(self, combine: fx.Node) -> str | None:
         if is_op(combine, aten.topk.default):
@@ -258,6 +372,12 @@ class FuseMoe(PatternPass):
                 return "a top-k that is no router's (no softmax in front)"
             if expert_loop_miss(combine) is None:
                 return "router top-k of a block that ends in a sum over k (matched from there)"
+            return None
+        if is_op(combine, aten.index_add.default):
+            if any(is_op(u, aten.index_add.default) and u.args[0] is combine for u in combine.users):
+                return "not the last index_add of an expert loop (matched from the last)"
+            if not any(is_op(n, aten.nonzero.default) for n in _upstream(combine, 4)):
+                return "an index_add that is no expert loop's (no nonzero of an expert mask in front)"
             return None
         source = combine.args[0]
         if not (is_op(source, *VIEW_OPS) and val(source) is not None and val(source).dim() == 3
@@ -270,6 +390,8 @@ class FuseMoe(PatternPass):
     def match(self, combine: fx.Node, options) -> MoeMatch:
         if is_op(combine, aten.topk.default):
             raise NoMatch(expert_loop_miss(combine), combine)
+        if is_op(combine, aten.index_add.default):
+            return moe_via_index_add_loop(combine)  # no shared expert beside this spelling's loop
         m = moe_via_grouped_mm(combine)
         out = combine
         while len(out.users) == 1 and is_cast(next(iter(out.users))):
@@ -285,12 +407,19 @@ class FuseMoe(PatternPass):
     def rewrite(self, gm: fx.GraphModule, m: MoeMatch, options) -> None:
         graph = gm.graph
         with graph.inserting_before(m.out):
-            gate_up, down = _nn_layout(gm, m.gate_up), _nn_layout(gm, m.down)
+            if isinstance(m, LoopMatch):  # per-expert matrices stacked into the op's [E, ...] weights
+                name = str(m.routing.router.weight.target).removesuffix("_weight").removesuffix("_gate")
+                gate_up = ir.add_constant(gm, name + "_experts_gate_up", torch.stack(m.gate_up_parts))
+                down = ir.add_constant(gm, name + "_experts_down", torch.stack(m.down_parts))
+            else:
+                gate_up, down = _nn_layout(gm, m.gate_up), _nn_layout(gm, m.down)
             args = [m.x, m.routing.router.weight, gate_up, down, m.routing.k, m.routing.normalize]
             if m.shared:
                 args += [m.shared.gate_up.weight, m.shared.down.weight, m.shared.gate.weight if m.shared.gate else None]
             fused = graph.call_function(graphopt.moe.default, tuple(args))
         m.out.replace_all_uses_with(fused)
+        for node in getattr(m, "dropped", ()):  # checks of the loop's sizes: the loop is gone
+            graph.erase_node(node)
 
 
 def _upstream(node: fx.Node, depth: int) -> list[fx.Node]:

@@ -158,41 +158,68 @@ def test_skips_the_eager_experts_loop_naming_the_graph_break(flags):
 
 class RangeLoopMoe(torch.nn.Module):
     """The expert loop of transformers 4.x's Mixtral block: for e in range(E), torch.where on
-    the expert mask, gather, SwiGLU expert, index_add_ into the output."""
+    the expert mask, gather, SwiGLU expert, index_add_ into the output. ``linears``: one
+    nn.Linear-style matrix per expert and the ``x[None, token].reshape`` gather (Mixtral 4.x);
+    otherwise 3-D expert weights indexed per expert. ``act`` and ``loop`` plant near misses."""
 
-    def __init__(self, experts=4, k=2, inter=40):
+    def __init__(self, experts=4, k=2, inter=40, linears=False, act=torch.nn.functional.silu, loop=None):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.k = k
+        self.k, self.linears, self.act, self.loop = k, linears, act, loop or experts
         self.gate = torch.nn.Linear(HIDDEN, experts, bias=False)
-        self.w1, self.w3, self.w2 = (torch.nn.Parameter(torch.randn(experts, *shape, generator=g) * 0.3)
-                                     for shape in ((inter, HIDDEN), (inter, HIDDEN), (HIDDEN, inter)))
+        with torch.no_grad():
+            self.gate.weight.normal_(0, 0.3, generator=g)
+        w = [torch.randn(experts, *shape, generator=g) * 0.3
+             for shape in ((inter, HIDDEN), (inter, HIDDEN), (HIDDEN, inter))]
+        if linears:
+            self.w1, self.w3, self.w2 = (torch.nn.ParameterList(list(t)) for t in w)
+        else:
+            self.w1, self.w3, self.w2 = (torch.nn.Parameter(t) for t in w)
 
     def forward(self, hidden_states):
         x = hidden_states.view(-1, HIDDEN)
         weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=1, dtype=torch.float), self.k, dim=-1)
         weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(x)
-        mask = torch.nn.functional.one_hot(chosen, num_classes=self.w1.shape[0]).permute(2, 1, 0)
-        for e in range(self.w1.shape[0]):
+        mask = torch.nn.functional.one_hot(chosen, num_classes=self.gate.weight.shape[0]).permute(2, 1, 0)
+        for e in range(self.loop):
             slot, token = torch.where(mask[e])
-            h = x[token]
-            y = torch.nn.functional.linear(
-                torch.nn.functional.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t()), self.w2[e])
+            h = x[None, token].reshape(-1, HIDDEN) if self.linears else x[token]
+            y = torch.nn.functional.linear(self.act(h @ self.w1[e].t()) * (h @ self.w3[e].t()), self.w2[e])
             out.index_add_(0, token, y * weights[token, slot, None])
         return out.view_as(hidden_states)
 
 
-def test_skips_the_range_expert_loop_captured_with_data_dependent_sizes():
-    # With capture_dynamic_output_shape_ops dynamo captures this loop as one graph (nonzero,
-    # index, index_add with unbacked sizes); fuse_moe does not match it and says which spelling it does.
-    block = RangeLoopMoe().eval()
+def loop_moe(block):
+    """Compile the loop block with nonzero captured (dynamo then keeps the loop in one graph)."""
     x = x_in()
-    out, reports = compile_in_pieces(block, x, capture_dynamic_output_shape_ops=True)
-    assert len(reports) == 1 and count(reports[0], "aten.index_add") == 4 and count(reports[0], "graphopt.moe") == 0
-    ((_, miss),) = fuse_moe_misses(reports)
-    assert "nonzero(expert mask) with index_add_" in miss.reason and "grouped_mm" in miss.reason, miss.reason
-    assert_matches_eager(out, eager(block, x), rel=1e-5)
+    out, reports = compile_in_pieces(block.eval(), x, capture_dynamic_output_shape_ops=True)
+    assert len(reports) == 1, "captured as one graph"
+    return out, reports[0], eager(block, x)
+
+
+@pytest.mark.parametrize("linears", [False, True], ids=["3d_weights", "linear_per_expert"])
+def test_fuses_the_index_add_expert_loop_captured_with_nonzero(linears):
+    out, report, want = loop_moe(RangeLoopMoe(linears=linears))
+    assert count(report, "graphopt.moe") == 1, report.op_counts
+    for gone in ("aten.index_add", "aten.nonzero", "aten.topk", "aten.mm", "aten.index", "aten._assert_scalar",
+                 "aten._assert_async"):
+        assert count(report, gone) == 0, (gone, report.op_counts)
+    assert next(p for p in report.passes if p.name == "fuse_moe").matches == 1
+    assert not [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert_matches_eager(out, want, rel=1e-5)
+
+
+@pytest.mark.parametrize("plant, reason", [
+    (dict(act=torch.nn.functional.gelu), "neither operand of"),
+    (dict(loop=3), "the loop adds 3 experts, the expert mask has 4"),
+], ids=["gelu_experts", "loop_skips_an_expert"])
+def test_skips_an_index_add_loop_that_is_not_the_op(plant, reason):
+    out, report, want = loop_moe(RangeLoopMoe(**plant))
+    assert count(report, "graphopt.moe") == 0 and count(report, "aten.index_add") == plant.get("loop", 4)
+    (miss,) = [m for m in report.near_misses if m.pass_name == "fuse_moe"]
+    assert reason in miss.reason, miss.reason
+    assert_matches_eager(out, want, rel=1e-5)
 
 
 def test_reference_matches_a_per_token_loop():
