@@ -36,6 +36,8 @@ def generate(
                                      "`graphopt options`"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: target, prefill_ms, ms_per_token, outputs "
                                   "[{prompt, text, token_ids}] (token_ids: the new tokens only)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo, 1 thread each); each decodes its shard and "
+                           "is compared with the unsharded model's tokens (JSON: tokens_match_tp1, ranks)"),
 ) -> None:
     """Generate text from MODEL for each --prompt with graphopt.generate, on the chosen target.
 
@@ -45,6 +47,7 @@ def generate(
 
     Example: graphopt generate model.gguf --prompt "The capital of France is" --max-new-tokens 24
     Example: graphopt generate ./SmolLM2 --chat -p "Name three rivers." -p "Hi" --target eager --json
+    Example: graphopt generate model.gguf -p "The capital of France is" -n 32 --tp 2 --target eager
     """
     import graphopt
     from graphopt.cli.model_source import load_model
@@ -53,6 +56,8 @@ def generate(
 
     if max_new_tokens < 1:
         raise GraphoptError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if tp < 1:
+        raise GraphoptError(f"--tp must be at least 1 (the number of tensor-parallel ranks), got {tp}")
     config = parse_options(option, target=target, **({"int4": True} if int4 else {}))
     with step(f"loading {model}", json_out):
         tokenizer = load_tokenizer(model)
@@ -63,6 +68,12 @@ def generate(
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
     eos = _eos_ids(tokenizer, loaded.module)
     stops = StopConditions(eos, tuple(stop), decode=tokenizer.decode, pad_token_id=tokenizer.pad_token_id)
+    if tp > 1:  # the same decode on N ranks, one shard each (graphopt.distributed.tp_generate)
+        from graphopt.distributed.cli import generate_text_tp_cmd
+
+        generate_text_tp_cmd(model, tp, config.to_dict(), prompt, encoded, stops, tokenizer, max_new_tokens,
+                             json_out, module=loaded.module)
+        return
     stream = _Stream(tokenizer) if len(prompt) == 1 and not json_out else None
     if stream:
         sys.stdout.write(prompt[0] if not chat else "")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from graphopt.cli.output import console, print_json, step, table
 from graphopt.distributed.tp_run import run_tp
 
-STYLE_HELP = "functional: plain local weights + functional all_reduce (fuses QKV/MLP per shard); dtensor: parallelize_module"
+STYLE_HELP = "functional: plain local weights + functional all_reduce; dtensor: parallelize_module (DTensor weights)"
 
 
 def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed: int, repeat: int,
@@ -50,3 +50,35 @@ def generate_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int,
     console.print(table(f"graphopt run {result['model']} --generate {tokens} --tp {tp} ({style})",
                         ["rank", "target", "tokens match TP=1", "ms/token (median)", "TP=1 eager ms/token",
                          "fallback"], rows))
+
+
+def generate_text_tp_cmd(spec: str, tp: int, options: dict, prompts: list[str], encoded, stop, tokenizer,
+                         max_new_tokens: int, json_out: bool, module=None) -> None:
+    """``graphopt generate MODEL --tp N``: the tokenized prompts decode on N ranks (and
+    unsharded, eagerly, on each: TP=1); rank 0's text, then one table of every rank."""
+    from graphopt.distributed.shard import check_divisible
+    from graphopt.distributed.tp_generate import Prompt, generate_tp
+
+    if module is not None:
+        check_divisible(module, tp)  # one line here, before N processes load the model
+    prompt = Prompt(encoded["input_ids"], encoded.get("attention_mask"), stop)
+    with step(f"generating on {tp} gloo ranks (1 thread each) and unsharded", json_out):
+        result = generate_tp(spec, tp, 0, 1, 1, max_new_tokens, options, prompt=prompt)
+    first = result["ranks"][0]
+    outputs = [{"prompt": p, "text": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": ids}
+               for p, ids in zip(prompts, first["token_ids"])]
+    if json_out:
+        print_json({"tp": tp, "style": result["style"], "target": first["target"], "prefill_ms": first["prefill_ms"],
+                    "outputs": outputs, "tokens_match_tp1": result["tokens_match_tp1"], "ranks": result["ranks"]})
+        return
+    for item in outputs:
+        console.print(item["prompt"] + item["text"], highlight=False, markup=False)
+    rows = [[r["rank"], r["target"], "yes" if r["tokens_match_tp1"] else f"no: from token {r['first_mismatch']}",
+             r["prefill_ms"], r["ms_per_token_median"], r["tp1_eager_ms_per_token_median"], r["fallback"] or "-"]
+            for r in result["ranks"]]
+    console.print(table(f"graphopt generate {result['model']} --tp {tp} ({result['style']}), "
+                        f"{max_new_tokens} new tokens at most",
+                        ["rank", "target", "tokens match TP=1", "prefill ms", "ms/token (median)",
+                         "TP=1 eager ms/token", "fallback"], rows))
+    for note in first["notes"]:
+        console.print(f"rank 0: {note}", highlight=False)
