@@ -102,6 +102,10 @@ def _print_human(result: dict, reports) -> None:
     for r in reports:
         for fb in r.fallbacks:
             console.print(f"[yellow]fallback[/] {fb['where']}: {fb['reason']}")
+        if r.routing is not None:  # -o record_routing=true: every call so far, the timed runs too
+            from graphopt.report import routing_table
+
+            console.print(f"routing (graph {r.graph_index}):\n" + routing_table(r.to_dict()["routing"]), markup=False)
 
 
 def _builds(reports) -> list[dict]:
