@@ -29,6 +29,10 @@ none of the ``skip`` patterns; it has at least ``min_size`` elements. A weight r
 several GEMMs is quantized once. Each new int4_linear node carries its layer's numbers in
 ``meta["graphopt_int4"]``; the pass's stats sum them and list them under ``layers``.
 
+Mixture of experts (passes/_quantize_moe.py): ``graphopt.moe``'s routed experts become
+``graphopt.int4_moe`` (4-bit experts, round-to-nearest), its shared expert two linears
+quantized as above; the router stays in full precision.
+
 Order: run it after the fusions that concatenate weights (merge_qkv, fuse_gated_mlp):
 they need the full-precision constants. It is opt-in, not in the default pipeline.
 """
@@ -44,6 +48,7 @@ import torch.fx as fx
 
 from graphopt import ir, quant_gptq, quant_plan, quantization
 from graphopt.ops.quant import GROUP_SIZES
+from graphopt.passes import _quantize_moe
 from graphopt.linears import match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.quant_report import summarize_layers
@@ -172,6 +177,7 @@ class QuantizeInt4(PatternPass):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         earlier = {n.name for n in gm.graph.nodes if INT4_META in n.meta}  # from a previous run: not counted
         options = ctx.options_for(self)
+        moved = _quantize_moe.split_shared_experts(gm)  # its GEMMs become linears the plan sees
         gm.meta[PLAN_META], calibration = self._plan(gm, ctx, options)
         try:
             result = super().run(gm, ctx)
@@ -179,9 +185,13 @@ class QuantizeInt4(PatternPass):
             gm.meta.pop(PLAN_META, None)
         layers = [n.meta[INT4_META] for n in result.gm.graph.nodes
                   if n.op == "call_function" and INT4_META in n.meta and n.name not in earlier]
+        experts = _quantize_moe.quantize_experts(result.gm, options, _constant, lambda name, w, q, search, key: (
+            _layer_record(name, w, q, options, key, search, None)))
+        result.modified = result.modified or bool(moved or experts)
         if result.modified:
-            _drop_unused_attrs(result.gm, {layer["_key"] for layer in layers})
-        result.stats.update(summarize(layers))
+            _drop_unused_attrs(result.gm, {layer["_key"] for layer in layers + experts})
+        result.stats.update(summarize(layers + experts))
+        result.stats["moe_layers"] = len(experts) // 2
         result.stats["calibration"] = calibration
         return result
 

@@ -35,6 +35,14 @@ def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.packed, q.scales
 
 
+def int4_experts(experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed [E, n, k / 2], scales [E, n, k / 32]) of symmetric group-32 INT4 expert weights."""
+    from graphopt.quantization import quantize_int4
+
+    q = quantize_int4(nonzero_random(experts * n, k) * 0.3, 32, True, "float32", "rtn")
+    return q.packed.reshape(experts, n, -1), q.scales.reshape(experts, n, -1)
+
+
 def _kv_cache_update(cache, new, pos):
     g.kv_cache_update(cache, new, pos)
     return cache * 1  # the op mutates its cache: return what it wrote
@@ -77,4 +85,8 @@ OP_CASES = {
     "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
             (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3,  # router, experts
              _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),  # shared expert and its gate
+    # QMoE needs hidden and inter in whole groups of 32: 96 and 32.
+    "int4_moe": ("graphopt.int4_moe",
+                 lambda x, wr, gu, gus, d, ds: g.int4_moe(x, wr, gu, gus, None, d, ds, None, 32, 2, True),
+                 (_r(5, 96), _r(4, 96), *int4_experts(4, 64, 96), *int4_experts(4, 96, 32))),
 }

@@ -31,6 +31,7 @@ ORT_OPS: tuple[tuple[str, str], ...] = (
     (MS_DOMAIN, "GroupQueryAttention"),
     (MS_DOMAIN, "MatMulNBits"),
     (MS_DOMAIN, "MoE"),
+    (MS_DOMAIN, "QMoE"),
 )
 # Standard ONNX ops a graphopt op lowers to (graphopt.layer_norm) that still count as fused.
 STANDARD_FUSED_OPS: tuple[str, ...] = ("LayerNormalization",)
