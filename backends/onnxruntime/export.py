@@ -70,7 +70,9 @@ class OnnxModel:
         ``float_matmuls`` the MatMul / Gemm nodes still reading a constant weight. Bytes are
         counted in the dtype each MatMulNBits input has, not its initializer's: ORT folds a
         Cast of a constant at load (fp16 scales behind a Cast are read as fp32)."""
-        nodes = list(self.model.graph)
+        import onnx_ir as ir
+
+        nodes = list(ir.traversal.RecursiveGraphIterator(self.model.graph))  # an If's branches too (translations/int4.py)
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
         if not quantized:
             return None
