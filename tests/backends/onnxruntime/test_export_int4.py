@@ -73,13 +73,24 @@ def bytes_behind(model, value: str, initializers: dict, producers: dict) -> int:
     return numel * onnx.helper.tensor_dtype_to_np_dtype(dtype or init.data_type).itemsize
 
 
+def all_nodes(graph):
+    """The graph's nodes and those of its subgraphs (the If around the 8-bit head's MatMulNBits)."""
+    for node in graph.node:
+        yield node
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                yield from all_nodes(sub)
+
+
 def test_reported_int4_bytes_are_the_bytes_matmulnbits_reads(exported):
     _, _, data, path = exported
     model = onnx.load(str(path))
     initializers = {t.name: t for t in model.graph.initializer}
-    producers = {out: node for node in model.graph.node for out in node.output}
+    producers = {out: node for node in all_nodes(model.graph) for out in node.output}
     read = {}
-    for node in (n for n in model.graph.node if n.op_type == "MatMulNBits"):
+    quantized = [n for n in all_nodes(model.graph) if n.op_type == "MatMulNBits"]
+    assert len(quantized) == LINEARS
+    for node in quantized:
         for name in node.input[1:4]:
             if name:
                 read[name] = bytes_behind(model, name, initializers, producers)
