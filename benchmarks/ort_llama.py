@@ -6,6 +6,7 @@ graphopt's export with --int4).
     python benchmarks/ort_llama.py                      # llama-small, 128-token prompt, 64 new tokens
     python benchmarks/ort_llama.py --model llama-tiny --repeat 2 --profile
     python benchmarks/ort_llama.py --skip inductor --skip int4
+    python benchmarks/ort_llama.py --skip inductor --int4-search rtn --head-rows   # INT4 prefill, both head lowerings
 
 Every variant runs the same greedy generation: a prefill of the prompt (batch 1), then one
 decode step per new token with the KV cache. Measurements are interleaved step by step (every
@@ -52,6 +53,7 @@ from rich.table import Table  # noqa: E402
 from graphopt import models  # noqa: E402
 from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
+from graphopt.backends.onnxruntime.translations import int4 as int4_translation  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 from graphopt.generation import Sampler, drive  # noqa: E402
 from graphopt.quant_report import logits_metrics  # noqa: E402
@@ -240,6 +242,12 @@ def run(folder: Path) -> None:
                         help="leave a variant out: inductor, plain, ortopt, graphopt, ortint4, graphoptint4, "
                              "int4 (both INT4 ones); eager is always run")
     parser.add_argument("--group-size", type=int, default=32, help="INT4 block size, the same for both INT4 variants")
+    parser.add_argument("--int4-search", default="gptq", choices=["gptq", "rtn"],
+                        help="graphopt's INT4 scale search; rtn exports in a fraction of the time and gives the "
+                             "same kernels and bytes, so the same speed")
+    parser.add_argument("--head-rows", action="store_true",
+                        help="add graphopt INT4 with its 8-bit head as MatMulNBits at every row count (the lowering "
+                             "before the per-row-count choice), to compare prefill in the same run")
     parser.add_argument("--profile", action="store_true", help="print ORT's per-op-type time for the ORT variants")
     args = parser.parse_args()
     if "int4" in args.skip:
@@ -278,11 +286,15 @@ def run(folder: Path) -> None:
     if "plain" not in args.skip:
         setup("ortopt", ortopt_variant)
 
-    def graphopt_variant(name, file, int4):
+    def graphopt_variant(name, file, int4, head_gemm_rows=int4_translation.HEAD_GEMM_ROWS):
         def build(start):
             path = folder / file
-            export_kv_cache(model, example, path, config=Options(pass_options={"quantize_int4": {
-                "group_size": args.group_size}}), int4=int4, validate_model=False)
+            default_rows, int4_translation.HEAD_GEMM_ROWS = int4_translation.HEAD_GEMM_ROWS, head_gemm_rows
+            try:
+                export_kv_cache(model, example, path, config=Options(pass_options={"quantize_int4": {
+                    "group_size": args.group_size, "search": args.int4_search}}), int4=int4, validate_model=False)
+            finally:
+                int4_translation.HEAD_GEMM_ROWS = default_rows
             return ort_variant(name, str(path), str(decode_path(path)), args.threads, time.perf_counter() - start)
         return build
 
@@ -293,6 +305,10 @@ def run(folder: Path) -> None:
             *quantize_with_ort(optimized, args.group_size, folder), args.threads, time.perf_counter() - start))
     setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size})", "graphopt_int4.onnx",
                                            int4=True))
+    if args.head_rows:
+        setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size}), 8-bit head MatMulNBits "
+                                               "at every row count", "graphopt_int4_nbits_head.onnx", int4=True,
+                                               head_gemm_rows=None))
     console.print("measuring memory bandwidth ...")
     bandwidth = read_bandwidth()
 
