@@ -267,3 +267,24 @@ def test_act_order_option_lowers_the_output_error_on_loud_channels(final_graph):
         # Either order keeps the format: the graph computes with exactly the dequantized weights.
         torch.testing.assert_close(out, eager(dequantized_copy(module, final_graph[-1]), x), rtol=1e-5, atol=1e-5)
     assert errors[True] < 0.7 * errors[False]
+
+
+def test_budget_spends_bytes_on_the_layer_with_most_output_error(final_graph):
+    torch.manual_seed(0)
+    module, x = Mlp(), torch.randn(512, 64)
+    base = {"scale_dtype": "float32"}
+    out4, plain = compile_with_graphopt(module, x, passes=PIPE, pass_options={"quantize_int4": base})
+    # 4 bits + the 8-bit head take 0.174 of fp32 here; one more layer at 8 bits makes 0.228.
+    out, report = compile_with_graphopt(module, x, passes=PIPE, pass_options={"quantize_int4": {**base, "budget": 0.23}})
+    stats, before = pass_stats(report), pass_stats(plain)
+    assert before["bits"] == {4: 2, 8: 1} and stats["bits"] == {4: 1, 8: 2}
+    assert before["bytes_ratio_fp32"] < 0.2 < stats["bytes_ratio_fp32"] <= 0.23
+    errors = {layer["name"]: layer["output_error"] for layer in before["layers"]}
+    promoted = next(layer["name"] for layer in stats["layers"] if layer["bits"] == 8 and layer["name"] != "lm_head.weight")
+    assert promoted == max(("up.weight", "down.weight"), key=errors.get)
+    torch.testing.assert_close(out, eager(dequantized_copy(module, final_graph[-1]), x), rtol=1e-5, atol=1e-5)
+    reference = eager(module, x)
+    assert logits_metrics(out, reference)["rel_error"] < logits_metrics(out4, reference)["rel_error"]
+    with pytest.raises(Exception, match="raise the budget"):
+        compile_with_graphopt(module, x, passes=PIPE, fallback="error",
+                              pass_options={"quantize_int4": {**base, "budget": 0.1}})
