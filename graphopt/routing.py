@@ -1,6 +1,6 @@
 """Routing observability for compiled graphs: ``options={"record_routing": True}``.
 
-For every ``graphopt.moe`` node the compiled graph gets one more output, the [tokens, k]
+For every ``graphopt.moe`` (or ``graphopt.int4_moe``) node the compiled graph gets one more output, the [tokens, k]
 expert ids its router picks (``topk(softmax(float(x @ Wr^T)), k)``, the op's own routing),
 computed by the target from plain ATen ops. The callable the target returns is wrapped:
 it drops those outputs before the caller sees them and adds them to the graph report's
@@ -28,8 +28,19 @@ from graphopt.ops.moe import RoutingLog
 aten = torch.ops.aten
 
 
+def _k_index() -> dict:
+    """Each MoE op and the position of its ``k`` argument (``x`` and the router weight lead)."""
+    ops = {torch.ops.graphopt.moe.default: 4}
+    try:
+        ops[torch.ops.graphopt.int4_moe.default] = 9
+    except (AttributeError, RuntimeError):  # graphopt's INT4 experts op not loaded: no graph holds it
+        pass
+    return ops
+
+
 def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.graphopt.moe.default]
+    ops = _k_index()
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ops]
 
 
 def add_routing_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[str, int]]]:
@@ -41,8 +52,9 @@ def add_routing_outputs(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[tuple[
     gm = ir.copy_graph_module(gm)
     graph, fake_mode = gm.graph, ir.fake_mode_of(gm)
     ids, layers = [], []
+    k_index = _k_index()
     for node in moe_nodes(gm):
-        x, router_weight, k = node.args[0], node.args[1], node.args[4]
+        x, router_weight, k = node.args[0], node.args[1], node.args[k_index[node.target]]
         with graph.inserting_before(node):
             logits = graph.call_function(aten.mm.default, (x, graph.call_function(aten.t.default, (router_weight,))))
             probs = graph.call_function(aten._softmax.default, (

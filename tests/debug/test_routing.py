@@ -34,14 +34,20 @@ def tokens(*leads):
 A, B, C = (3.0, 2, 0, 0), (0, 0, 3.0, 2), (0, 3.0, 2, 0)  # experts {0,1}, {2,3}, {1,2}
 
 
-def run(block, inputs, **options):
+def run(block, inputs, rel=1e-5, **options):
+    """Compile ``block`` (options over the eager target, fuse_moe's pipeline), run ``inputs`` in
+    order, each checked against eager at ``rel`` (None: not checked, e.g. INT4 experts)."""
     torch._dynamo.reset()
     graphopt.reset()
     opts = {"target": "eager", "fallback": "error", "pipeline": PIPE, **options}
+    if not opts["pipeline"]:
+        del opts["pipeline"]  # the default pipeline
     compiled = torch.compile(block, backend="graphopt", options=opts, dynamic=False)
     with torch.no_grad():
         for x in inputs:
-            torch.testing.assert_close(compiled(x), block(x), rtol=1e-5, atol=1e-5)
+            got = compiled(x)
+            if rel is not None:
+                torch.testing.assert_close(got, block(x), rtol=rel, atol=rel)
     (report,) = graphopt.reports()
     return report
 
@@ -73,6 +79,17 @@ def test_counts_and_jitter_match_the_router_logits(target):
     assert layer["topk_change_rate"] == 0.25
     assert layer["layer"] in routing_table(report.to_dict()["routing"]) and "0.250 (1/4)" in routing_table(
         report.to_dict()["routing"])
+
+
+def test_int4_experts_are_recorded_too():
+    # quantize_int4 turns graphopt.moe into graphopt.int4_moe; the router stays as it was
+    block = routed_block()
+    inputs = [tokens(A, B), tokens(A, C)]
+    report = run(block, inputs, pipeline=[], int4=True, record_routing=True, rel=None)
+    assert report.fused_op_counts() == {"graphopt.int4_moe": 1}, report.op_counts
+    (layer,) = report.to_dict()["routing"]
+    assert layer["tokens_per_expert"] == hand_counts(block, inputs) == [2, 3, 2, 1]
+    assert layer["topk_change_rate"] == 0.5
 
 
 def test_jitter_is_zero_when_the_same_tokens_repeat():
