@@ -206,6 +206,8 @@ def test_fuses_the_index_add_expert_loop_captured_with_nonzero(linears):
                  "aten._assert_async"):
         assert count(report, gone) == 0, (gone, report.op_counts)
     assert next(p for p in report.passes if p.name == "fuse_moe").matches == 1
+    # per-expert linears: fuse_gated_mlp has made each expert a graphopt.swiglu MLP first
+    assert next(p for p in report.passes if p.name == "fuse_gated_mlp").matches == (4 if linears else 0)
     assert not [m for m in report.near_misses if m.pass_name == "fuse_moe"]
     assert_matches_eager(out, want, rel=1e-5)
 
