@@ -12,7 +12,11 @@ a full-precision copy of the weight never exists at run time.
 Scales come from GPTQ-style error feedback on calibration activations (``search="gptq"``,
 graphopt/quant_gptq.py): the graph itself runs on the calibration inputs (given token
 ids, else the example inputs) and each weight is quantized to keep its layer's *output*
-close on them. ``search="rtn"`` is plain round-to-nearest, which for symmetric groups is
+close on them, visiting the input channels with the most activation energy first
+(``act_order``, on by default; the groups stay block-wise along K, so the format is
+unchanged): on SmolLM2-135M that took the perplexity increase of 4 bits from 2.98 (GPTQ in
+K order) to 1.74 (torch fake-quant, 512 calibration tokens, LM head fp32; RTN: 2.91).
+``search="rtn"`` is plain round-to-nearest, which for symmetric groups is
 exactly ONNX Runtime's MatMulNBitsQuantizer; ``"mse"`` minimises each weight's own error,
 which on a trained model (SmolLM2-135M) raised perplexity more than RTN did.
 
