@@ -7,17 +7,22 @@ recipe, and graphopt's INT4 variants, all run in ONNX Runtime from graphopt's ow
 
 The text: CPython's Language Reference section "Objects, values and types" as it ships in
 the standard library (``pydoc_data/topics.py``, key ``objects``), its first ``--tokens``
-tokens. Calibration (graphopt's gptq variants) reads another section of the same file
-("Execution model", key ``execmodel``), never the text it is scored on.
+tokens. Calibration (graphopt's ``-text`` and ``-budget`` variants) reads other sections of
+the same file, never the text it is scored on: the first ``--calibration-tokens`` tokens
+of each of "execmodel", "compound", "specialnames" and "types" (2048 tokens by default).
 
 Variants (all symmetric, block 32, MatMulNBits accuracy level 4):
 - ``fp32``: ``graphopt export`` without --int4; every other row is compared with it.
 - ``ort-rtn``: ORT's ``MatMulNBitsQuantizer`` (round-to-nearest) on that fp32 file; it
   leaves the tied LM head in fp32 (its weight reaches the MatMul through a Transpose).
 - ``rtn``: graphopt round-to-nearest, LM head at 8 bits; ``rtn-head32``: LM head in fp32,
-  ORT's recipe exactly; ``gptq``: the default (calibrated on the example inputs);
-  ``gptq-text``: calibrated on the calibration text; ``gptq-budget``: that plus a byte
-  budget (``--budget``) spent on 8-bit layers.
+  ORT's recipe exactly; ``gptq``: the default (act-order GPTQ calibrated on the example
+  inputs); ``gptq-noact-text``: GPTQ in K order on the calibration text; ``gptq-text``:
+  act-order GPTQ on it; ``gptq-budget``: that plus a byte budget (``--budget``, 0.2 of the
+  fp32 bytes, LM head included) spent on 8-bit layers; ``gptq-budget-head32``: the same
+  with the LM head left fp32 as ORT's quantizer leaves it (the budget then covers the
+  quantized weights only, ORT's own accounting). Each graphopt variant's per-layer bits and
+  errors go to ``VARIANT.layers.json`` beside its file (with ``--keep``).
 
 Bytes are what the MatMulNBits nodes read (packed codes, scales in the dtype they reach the
 node, zero points) over the fp32 bytes of the same weights; the file size is on disk.
@@ -41,6 +46,7 @@ on Q4_1's asymmetric grid of the same blocks.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -54,17 +60,21 @@ from rich.table import Table
 from graphopt.backends.onnxruntime.export import OnnxModel
 from graphopt.backends.onnxruntime.tool import export_model
 from graphopt.config import Options
-from graphopt.quant_report import logits_metrics
+from graphopt.quant_report import int4_summary, logits_metrics
 
 console = Console(stderr=True)
-VARIANTS = ("fp32", "ort-rtn", "rtn-head32", "rtn", "gptq", "gptq-text", "gptq-budget")
+VARIANTS = ("fp32", "ort-rtn", "rtn-head32", "rtn", "gptq", "gptq-noact-text", "gptq-text", "gptq-budget",
+            "gptq-budget-head32")
+# Calibration sections of pydoc_data/topics.py (never the scored one, "objects"), their
+# first --calibration-tokens tokens each.
+CALIBRATION_TOPICS = ("execmodel", "compound", "specialnames", "types")
 
 
-def texts(tokenizer, tokens: int) -> tuple[torch.Tensor, list[int], str]:
+def texts(tokenizer, tokens: int, calibration_tokens: int) -> tuple[torch.Tensor, list[int], str]:
     from pydoc_data import topics
 
     ids = tokenizer(topics.topics["objects"], return_tensors="pt").input_ids[:, :tokens]
-    calibration = tokenizer(topics.topics["execmodel"]).input_ids[:tokens]
+    calibration = [t for key in CALIBRATION_TOPICS for t in tokenizer(topics.topics[key]).input_ids[:calibration_tokens]]
     return ids, calibration, f"{topics.__file__} ['objects'], {ids.shape[1]} tokens"
 
 
@@ -74,8 +84,10 @@ def graphopt_options(variant: str, calibration: list[int], budget: float) -> dic
         "rtn-head32": {**base, "search": "rtn", "head_bits": 32},
         "rtn": {**base, "search": "rtn"},
         "gptq": base,
+        "gptq-noact-text": {**base, "calibration": calibration, "act_order": False},
         "gptq-text": {**base, "calibration": calibration},
         "gptq-budget": {**base, "calibration": calibration, "budget": budget},
+        "gptq-budget-head32": {**base, "calibration": calibration, "budget": budget, "head_bits": 32},
     }.get(variant)
 
 
@@ -112,7 +124,9 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a built-in name or a .gguf / checkpoint (default: SmolLM2)")
-    parser.add_argument("--tokens", type=int, default=512, help="tokens of the text scored (and calibrated on)")
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the text scored")
+    parser.add_argument("--calibration-tokens", type=int, default=512,
+                        help=f"tokens calibrated on from each of the sections {', '.join(CALIBRATION_TOPICS)}")
     parser.add_argument("--budget", type=float, default=0.2, help="gptq-budget: bytes as a fraction of fp32")
     parser.add_argument("--only", action="append", choices=VARIANTS, help="run only these variants (repeatable)")
     parser.add_argument("--keep", default=None, help="folder to keep the .onnx files in")
@@ -127,12 +141,12 @@ def main() -> None:
     loaded = load_model(spec, batch=2, seq_len=16)
     trained = loaded.family == "hf-causal-lm"
     if trained:
-        ids, calibration, source = texts(load_tokenizer(spec), args.tokens)
+        ids, calibration, source = texts(load_tokenizer(spec), args.tokens, args.calibration_tokens)
     else:  # random weights have no vocabulary: random ids, perplexity means nothing
         vocab = int(loaded.example_inputs[0].max()) + 1
         gen = torch.Generator().manual_seed(1)
         ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
-        calibration = torch.randint(0, vocab, (args.tokens,), generator=gen).tolist()
+        calibration = torch.randint(0, vocab, (args.calibration_tokens * len(CALIBRATION_TOPICS),), generator=gen).tolist()
         source = f"random ids ({spec} has random weights)"
     console.print(f"model {spec}; text {source}", highlight=False)
     folder = Path(args.keep or tempfile.mkdtemp(prefix="graphopt-ppl-"))
@@ -147,8 +161,14 @@ def main() -> None:
         elif not path.exists():
             options = graphopt_options(variant, calibration, args.budget)
             config = Options(pass_options={"quantize_int4": options} if options else {})
-            export_model(loaded.module, loaded.example_inputs, path, config=config, int4=options is not None,
-                         validate_model=False, force=True)
+            result = export_model(loaded.module, loaded.example_inputs, path, config=config,
+                                  int4=options is not None, validate_model=False, force=True)
+            summary = int4_summary({"passes": result.passes})
+            if summary:  # each layer's bits and errors, kept beside the file; the 8-bit ones printed
+                path.with_suffix(".layers.json").write_text(json.dumps(summary["layers"], indent=1))
+                eight = [layer["name"] for layer in summary["layers"] if layer.get("bits") == 8]
+                console.print(f"{variant}: {summary['bits']} layers at 4 / 8 bits; 8-bit: {', '.join(eight)}",
+                              highlight=False)
         setup_s = time.perf_counter() - start
         logits = run(path, ids)
         if reference is None:
