@@ -34,11 +34,13 @@ from graphopt.ops.quant import SYMMETRIC_ZERO, check_format
 
 def _expert_format(name: str, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                    experts: int, rows: int, in_features: int) -> None:
-    if packed.dim() != 3 or scales.dim() != 3 or packed.shape[:2] != (experts, rows) or scales.shape[:2] != (experts, rows):
+    lead = (experts, rows)
+    if packed.dim() != 3 or scales.dim() != 3 or packed.shape[:2] != lead or scales.shape[:2] != lead:
         raise ValueError(f"int4_moe: {name} must be [{experts}, {rows}, K/2] codes with [{experts}, {rows}, G] scales, "
                          f"got {tuple(packed.shape)} and {tuple(scales.shape)}")
     if zeros is not None and (zeros.dim() != 3 or zeros.shape[:2] != (experts, rows)):
-        raise ValueError(f"int4_moe: {name} zero points must be [{experts}, {rows}, ceil(G / 2)], got {tuple(zeros.shape)}")
+        raise ValueError(f"int4_moe: {name} zero points must be [{experts}, {rows}, ceil(G / 2)], "
+                         f"got {tuple(zeros.shape)}")
     check_format(packed[0], scales[0], zeros[0] if zeros is not None else None, group_size, in_features)
 
 
@@ -49,7 +51,8 @@ def _check(x: Tensor, router_weight: Tensor, gate_up, gate_up_scales, gate_up_ze
     if x.dim() != 2 or x.shape[-1] != hidden:
         raise ValueError(f"int4_moe: x must be [tokens, {hidden}], got {tuple(x.shape)}")
     if gate_up_scales.dim() != 3 or gate_up_scales.shape[1] % 2:
-        raise ValueError(f"int4_moe: gate_up_scales must be [{experts}, 2 * inter, G], got {tuple(gate_up_scales.shape)}")
+        raise ValueError(f"int4_moe: gate_up_scales must be [{experts}, 2 * inter, G], "
+                         f"got {tuple(gate_up_scales.shape)}")
     inter = gate_up_scales.shape[1] // 2
     _expert_format("gate_up", gate_up, gate_up_scales, gate_up_zeros, group_size, experts, 2 * inter, hidden)
     _expert_format("down", down, down_scales, down_zeros, group_size, experts, hidden, inter)
@@ -73,7 +76,10 @@ def dequantize_experts(packed: Tensor, scales: Tensor, zeros: Tensor | None, gro
     ``(q - z) * s`` per group, as graphopt.ops.quant.dequantize_int4 for each expert."""
     experts, rows, groups = scales.shape
     codes = _nibbles(packed).reshape(experts, rows, groups, group_size)
-    zero = _nibbles(zeros)[..., :groups] if zeros is not None else torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.float32)
+    if zeros is not None:
+        zero = _nibbles(zeros)[..., :groups]
+    else:
+        zero = torch.full_like(scales, SYMMETRIC_ZERO, dtype=torch.float32)
     weight = (codes - zero.unsqueeze(-1)) * scales.float().unsqueeze(-1)
     return weight.reshape(experts, rows, groups * group_size)[..., :in_features]
 
