@@ -210,17 +210,34 @@ def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: 
         v.decode_ms.extend(result.ms_per_token)
 
 
-def profile_summary(session) -> tuple[float, list[tuple[str, float]]]:
-    """Kernel time of an ORT profile (ms) and the share of the top op types."""
-    path = session.end_profiling()
-    with open(path) as f:
+def profile_summary(session, path: str) -> tuple[float, list[tuple[str, float]]]:
+    """Kernel time of an ORT profile (ms) and the share of the top op types, MatMulNBits split
+    by shape and bits (an LM head apart from the layers). An If's own event is left out: its
+    time is its branch's nodes', which the profile lists too."""
+    import onnx
+
+    def nodes(graph):
+        for node in graph.node:
+            yield node
+            for attr in node.attribute:
+                yield from (nodes(attr.g) if attr.HasField("g") else ())
+
+    model = onnx.load(path, load_external_data=False)
+    labels = {}
+    for node in nodes(model.graph):
+        if node.op_type == "MatMulNBits":
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            labels[node.name] = f"MatMulNBits {attrs['K']}x{attrs['N']} {attrs['bits']}-bit"
+    trace = session.end_profiling()
+    with open(trace) as f:
         events = json.load(f)
     totals: collections.Counter = collections.Counter()
     for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time"):
-            totals[e["args"].get("op_name", "?")] += e.get("dur", 0)
+        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["args"].get("op_name") != "If":
+            node = e["name"][: -len("_kernel_time")]
+            totals[labels.get(node, e["args"].get("op_name", "?"))] += e.get("dur", 0)
     whole = sum(totals.values()) or 1
-    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(8)]
+    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(10)]
 
 
 def main() -> None:
@@ -325,8 +342,8 @@ def run(folder: Path) -> None:
                 continue
             profiled = ort_variant(v.name, *v.paths, args.threads, 0.0, profile_dir=str(folder))
             generate(profiled, prompt, args.new_tokens)
-            for session, tag in zip(profiled.sessions, ("prefill", f"{args.new_tokens} decode steps")):
-                total_ms, top = profile_summary(session)
+            for session, path, tag in zip(profiled.sessions, v.paths, ("prefill", f"{args.new_tokens} decode steps")):
+                total_ms, top = profile_summary(session, path)
                 shares = ", ".join(f"{op} {share:.0f}%" for op, share in top)
                 Console(width=200).print(f"[bold]{v.name}[/] {tag}: {total_ms:.0f} ms in kernels: {shares}")
 
