@@ -72,7 +72,7 @@ class OnnxModel:
         Cast of a constant at load (fp16 scales behind a Cast are read as fp32)."""
         import onnx_ir as ir
 
-        nodes = list(ir.traversal.RecursiveGraphIterator(self.model.graph))  # an If's branches too (translations/int4.py)
+        nodes = list(ir.traversal.RecursiveGraphIterator(self.model.graph))  # an If's branches too (int4.py)
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
         if not quantized:
             return None
