@@ -9,6 +9,11 @@ rather than through torch's op dispatcher: a decode step calls them a few dozen 
 tiny tensors, where a custom op's dispatch (100-250 us a call on a loaded CPU) costs more
 than the work (llama-small, steps 8-24: 1.08x eager through the dispatcher, 1.03x direct).
 What they compute is the same function.
+
+The MoE ops are the exception that computes differently: their references are dense (every
+expert on every token, so that they trace with fake tensors), and the eager target runs each
+expert on its own tokens instead (:func:`graphopt.ops.moe.moe_sparse`): a decode step runs k
+experts rather than all of them. Same result up to float32 summation order.
 """
 
 from __future__ import annotations
@@ -20,9 +25,19 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.decompose import reference_of
 from graphopt.ops import op_name
+from graphopt.ops.moe import moe_sparse
+from graphopt.ops.moe_int4 import int4_moe_sparse
 
 DIRECT_OPS = ("graphopt.attention", "graphopt.cache_attention", "graphopt.kv_cache_update",
-              "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope", "graphopt.qkv_proj", "graphopt.swiglu")
+              "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope", "graphopt.qkv_proj", "graphopt.swiglu",
+              "graphopt.moe", "graphopt.int4_moe")
+
+
+def _eager_function(op) -> Callable:
+    """What the eager target calls for a graphopt op in DIRECT_OPS: its reference, or the
+    sparse MoE dispatch (module docstring)."""
+    sparse = {"graphopt.moe": moe_sparse, "graphopt.int4_moe": int4_moe_sparse}
+    return sparse.get(op_name(op)) or reference_of(op)
 
 
 class EagerTarget:
@@ -37,7 +52,7 @@ class EagerTarget:
         lowered = ir.copy_graph_module(gm)  # the caller's graph (reports, CUDA graph capture) keeps its ops
         for node in lowered.graph.nodes:
             if node.op == "call_function" and op_name(node.target) in DIRECT_OPS:
-                node.target = reference_of(node.target)
+                node.target = _eager_function(node.target)
         lowered.recompile()
         return lowered
 

@@ -73,13 +73,61 @@ def moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int,
     gate, up = (x @ gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [experts, tokens, inter] each
     y = (F.silu(gate) * up) @ down.transpose(1, 2)  # [experts, tokens, hidden]
     out = (y * mix.t().unsqueeze(-1)).sum(dim=0)
-    out = out.to(x.dtype)
-    if shared_gate_up is not None:
-        shared = _swiglu_mlp(x, shared_gate_up, shared_down)
-        if shared_gate is not None:
-            shared = torch.sigmoid(x @ shared_gate.t()) * shared
-        out = out + shared
-    return out
+    return add_shared_expert(x, out.to(x.dtype), shared_gate_up, shared_down, shared_gate)
+
+
+def capturing(x: Tensor) -> bool:
+    """Whether a CUDA graph is being captured: the sparse dispatch reads the routing on the
+    host, which a capture forbids, so the dense op runs instead."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def dispatch_routed(x: Tensor, weights: Tensor, experts: Tensor, num_experts: int, expert_mlp) -> Tensor:
+    """The routed sum with each expert run on its own tokens only: ``expert_mlp(e, rows)``
+    gives expert ``e``'s output for the rows of ``x`` routed to it.
+
+    This is what an eager run wants (a decode step touches k experts, not all of them), and
+    it has data-dependent shapes, so it is no reference: tracing needs the dense one above.
+    Sums in float32 in (token, slot) order, as the dense reference's weighting does.
+    """
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    token_of = order // experts.shape[-1]
+    slot_weight = weights.reshape(-1)[order].float().unsqueeze(-1)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            rows = token_of[start:start + n]
+            out.index_add_(0, rows, expert_mlp(e, x[rows]).float() * slot_weight[start:start + n])
+        start += n
+    return out.to(x.dtype)
+
+
+def add_shared_expert(x: Tensor, out: Tensor, shared_gate_up: Tensor | None, shared_down: Tensor | None,
+                      shared_gate: Tensor | None) -> Tensor:
+    if shared_gate_up is None:
+        return out
+    shared = _swiglu_mlp(x, shared_gate_up, shared_down)
+    if shared_gate is not None:
+        shared = torch.sigmoid(x @ shared_gate.t()) * shared
+    return out + shared
+
+
+def moe_sparse(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int, normalize: bool,
+               shared_gate_up: Tensor | None = None, shared_down: Tensor | None = None,
+               shared_gate: Tensor | None = None) -> Tensor:
+    """``graphopt.moe`` computed with :func:`dispatch_routed`: what the eager target runs
+    (the same function as the op up to float32 summation order)."""
+    if capturing(x):
+        return moe(x, router_weight, gate_up, down, k, normalize, shared_gate_up, shared_down, shared_gate)
+    _check(x, router_weight, gate_up, down, k)
+    weights, experts = route(x, router_weight, k, normalize)
+    if _recording:
+        _recording[-1].add(router_weight, experts)
+    out = dispatch_routed(x, weights, experts, gate_up.shape[0], lambda e, rows: _swiglu_mlp(rows, gate_up[e], down[e]))
+    return add_shared_expert(x, out, shared_gate_up, shared_down, shared_gate)
 
 
 @moe.register_fake

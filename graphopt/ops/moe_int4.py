@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from graphopt.ops import moe as dense
 from graphopt.ops._library import register
 from graphopt.ops.quant import SYMMETRIC_ZERO, check_format
 
@@ -98,6 +99,32 @@ def int4_moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, gate_up_scales: 
     # graphopt.moe's reference, not the op: decomposing this op then leaves plain ATen ops
     # (a target that lowers no graphopt op, TensorRT, needs exactly that).
     return reference_of(torch.ops.graphopt.moe.default)(x, router_weight, w1, w2, k, normalize)
+
+
+def int4_moe_sparse(x: Tensor, router_weight: Tensor, gate_up: Tensor, gate_up_scales: Tensor,
+                    gate_up_zeros: Tensor | None, down: Tensor, down_scales: Tensor, down_zeros: Tensor | None,
+                    group_size: int, k: int, normalize: bool) -> Tensor:
+    """``graphopt.int4_moe`` for an eager run: each expert a token was routed to is
+    dequantized and run on its own tokens, so a decode step unpacks k experts, not all."""
+    if dense.capturing(x):
+        return int4_moe(x, router_weight, gate_up, gate_up_scales, gate_up_zeros, down, down_scales, down_zeros,
+                        group_size, k, normalize)
+    inter = _check(x, router_weight, gate_up, gate_up_scales, gate_up_zeros, down, down_scales, down_zeros,
+                   group_size, k)
+    weights, experts = dense.route(x, router_weight, k, normalize)
+    if dense._recording:
+        dense._recording[-1].add(router_weight, experts)
+
+    def one(packed, scales, zeros, e, in_features):
+        z = zeros[e:e + 1] if zeros is not None else None
+        return dequantize_experts(packed[e:e + 1], scales[e:e + 1], z, group_size, in_features)[0].to(x.dtype)
+
+    def expert_mlp(e: int, rows: Tensor) -> Tensor:
+        w1 = one(gate_up, gate_up_scales, gate_up_zeros, e, x.shape[-1])
+        w2 = one(down, down_scales, down_zeros, e, inter)
+        return dense._swiglu_mlp(rows, w1, w2)
+
+    return dense.dispatch_routed(x, weights, experts, router_weight.shape[0], expert_mlp)
 
 
 @int4_moe.register_fake
