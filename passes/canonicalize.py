@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphopt.rewrite import IDENTITY_OPERAND, NoMatch, PatternPass, expect, is_cast, replace_uses, scalar, val
 
@@ -20,9 +21,13 @@ aten = torch.ops.aten
 
 
 def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
+    """Same dtype, device and shape, the sizes compared without a guard: ``==`` on symbolic
+    sizes would add a shape guard (or raise on a data-dependent size, as in an expert loop),
+    so only sizes known equal for every value of their symbols count."""
     va, vb = val(a), val(b)
     return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)
-            and va.dtype == vb.dtype and va.shape == vb.shape and va.device == vb.device)
+            and va.dtype == vb.dtype and va.device == vb.device and va.dim() == vb.dim()
+            and all(statically_known_true(x == y) for x, y in zip(va.shape, vb.shape)))
 
 
 class Canonicalize(PatternPass):

@@ -58,3 +58,24 @@ def test_removes_same_shape_views_and_keeps_reshapes():
     assert report.passes[0].matches == 2
     assert count(report, "aten.view") == 1  # the [8, 4] reshape changes the shape: kept
     assert_matches_eager(out, eager(Views(), x), rel=0)
+
+
+def test_sizes_are_compared_without_guards_even_when_data_dependent():
+    """An expert loop's gathered rows have data-dependent sizes; comparing two of them with
+    ``==`` raised (and on backed sizes would add a guard). Equal only when known equal."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from graphopt.passes.canonicalize import _same_value_shape
+
+    env = ShapeEnv()
+    u0, u1 = env.create_unbacked_symint(), env.create_unbacked_symint()
+    with FakeTensorMode(shape_env=env):
+        a, b = torch.empty(u0, 8), torch.empty(u1, 8)
+    graph = fx.Graph()
+    na, nb, na2 = graph.placeholder("a"), graph.placeholder("b"), graph.placeholder("a2")
+    na.meta["val"], nb.meta["val"], na2.meta["val"] = a, b, a.view(u0, 8)
+    assert not _same_value_shape(na, nb)  # maybe equal at run time: not an identity
+    assert _same_value_shape(na, na2)
+    assert not env.guards
