@@ -57,9 +57,7 @@ from graphopt.linears import match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.quant_report import summarize_layers
 from graphopt.quantization import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
-from graphopt.rewrite import CAST_OPS, GEMM_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
-
-aten = torch.ops.aten
+from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear
 PLAN_META = "graphopt_int4_plan"  # gm.meta key, during a run only: the quantized weights planned
 
@@ -242,14 +240,15 @@ class QuantizeInt4(PatternPass):
 
 
 def _feeds_output(node: fx.Node) -> bool:
-    """Whether ``node``'s result is a graph output, through views and casts only (an LM head)."""
+    """Whether ``node``'s result is a graph output, through views, casts and row picks only
+    (an LM head)."""
     frontier, seen = [node], set()
     while frontier:
         current = frontier.pop()
         for user in current.users:
             if user.op == "output":
                 return True
-            if user not in seen and is_op(user, *VIEW_OPS, *CAST_OPS):
+            if user not in seen and is_op(user, *VIEW_OPS, *CAST_OPS, *ROW_PICK_OPS):
                 seen.add(user)
                 frontier.append(user)
     return False

@@ -10,7 +10,7 @@ fused op. The base class does the rest: counting, near-miss records for
 
 from graphopt.rewrite.aten_ops import (  # noqa: F401
     ADD_OPS, BATCHED_MATMUL_OPS, CAST_OPS, DIV_OPS, GATE_ACTIVATION_OPS, GEMM_OPS, HEAVY_COMPUTE_OPS,
-    IDENTITY_OPERAND, MUL_OPS, RECIPROCAL_OPS, SCORE_OPS, SDPA_OPS, SIZE_ASSERT_OPS, SIZE_OPS,
+    IDENTITY_OPERAND, MUL_OPS, RECIPROCAL_OPS, ROW_PICK_OPS, SCORE_OPS, SDPA_OPS, SIZE_ASSERT_OPS, SIZE_OPS,
     SOFTMAX_OPS, SPLIT_OPS, SUB_OPS, TRANSPARENT_OPS, VIEW_OPS,
 )
 from graphopt.rewrite.casts import (  # noqa: F401

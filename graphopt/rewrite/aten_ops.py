@@ -40,6 +40,10 @@ SIZE_OPS = (
     aten.new_full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.full.default,
     aten.arange.default,
 )
+# Ops that pick rows of a value without mixing them: the last position's logits
+# (``logits[:, -1]``, a gather of each row's last token) are still the LM head's output.
+ROW_PICK_OPS = (aten.select.int, aten.slice.Tensor, aten.gather.default, aten.index.Tensor,
+                aten.index_select.default, aten.squeeze.dim, aten.unsqueeze.default)
 # Ops that cut a tensor into pieces read by getitem (chunk lowers to split under aot).
 SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 # Runtime checks on symbolic sizes that a rewrite which changes those sizes drops.

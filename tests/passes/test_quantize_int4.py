@@ -288,3 +288,25 @@ def test_budget_spends_bytes_on_the_layer_with_most_output_error(final_graph):
     with pytest.raises(Exception, match="raise the budget"):
         compile_with_graphopt(module, x, passes=PIPE, fallback="error",
                               pass_options={"quantize_int4": {**base, "budget": 0.1}})
+
+
+class LastPositionHead(Mlp):
+    """A decoder step that returns the last position's logits: the head's result reaches the
+    output through a row pick (``logits[:, -1]``), as in graphopt.generate's decoder."""
+
+    def forward(self, x):
+        return super().forward(x)[:, -1]
+
+
+class HeadThenMix(Mlp):
+    """The head's logits mixed across positions before the output: no longer a row pick."""
+
+    def forward(self, x):
+        return super().forward(x).cumsum(1)
+
+
+@pytest.mark.parametrize("module, head_bits", [(LastPositionHead, 8), (HeadThenMix, 4)], ids=["row-pick", "mixed"])
+def test_the_head_is_found_through_row_picks_only(module, head_bits):
+    torch.manual_seed(0)
+    _, report = compile_with_graphopt(module(), torch.randn(2, 5, 64), passes=PIPE)
+    assert [layer["bits"] for layer in pass_stats(report)["layers"]] == [4, 4, head_bits]
