@@ -58,6 +58,8 @@ from graphopt.pass_manager import PassContext, PassResult
 from graphopt.quant_report import summarize_layers
 from graphopt.quantization import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
 from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
+
+aten = torch.ops.aten
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear
 PLAN_META = "graphopt_int4_plan"  # gm.meta key, during a run only: the quantized weights planned
 
