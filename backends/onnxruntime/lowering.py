@@ -62,11 +62,15 @@ def _(q, k, v, past_k, past_v, scale=None, softcap=0.0):
 def check_translations(gm: fx.GraphModule, table: dict) -> None:
     """Raise UnsupportedOp for the first graphopt op without a translation."""
     from graphopt.backends.onnxruntime.errors import UnsupportedOp
+    from graphopt.ops.collectives import COLLECTIVE_OPS
 
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         name = op_name(node.target)
+        if name in COLLECTIVE_OPS:  # no translation could help: the fix is another target
+            raise UnsupportedOp(name, "it is a collective across tensor-parallel ranks and ONNX Runtime runs no "
+                                      "collectives; use target='eager' (or 'triton' on GPUs) for sharded models")
         if name and node.target not in table:
             raise UnsupportedOp(name, "it has no translation; add one under graphopt/backends/onnxruntime/translations/")
 

@@ -22,6 +22,9 @@ from graphopt.ops.norms import _norm_out_dtype, _rms_norm_ref
 
 _c10d = torch.ops._c10d_functional
 
+# graphopt ops that talk to other ranks: a single-device runtime cannot run them.
+COLLECTIVE_OPS = ("graphopt.all_reduce_add_rms_norm",)
+
 
 @torch.library.custom_op("graphopt::all_reduce_add_rms_norm", mutates_args=())
 def all_reduce_add_rms_norm(

@@ -180,3 +180,16 @@ def test_every_contrib_op_a_translation_calls_is_in_the_list():
                 called.add(node.attr)
     listed = {name for domain, name in schemas.ORT_OPS if domain == schemas.MS_DOMAIN}
     assert called and called <= listed, f"add {sorted(called - listed)} to schemas.ORT_OPS"
+
+
+def test_a_collective_is_refused_with_the_target_that_runs_it():
+    from graphopt.backends.onnxruntime.errors import UnsupportedOp
+    from graphopt.backends.onnxruntime.lowering import check_translations
+    from graphopt.ops import collectives  # noqa: F401  (registers the op; not in graphopt.ops.OPS)
+
+    def step(x, residual, weight):
+        return torch.ops.graphopt.all_reduce_add_rms_norm(x, residual, weight, 1e-6, "0")[0]
+
+    gm = make_fx(step, tracing_mode="fake")(torch.ones(2, 8), torch.ones(2, 8), torch.ones(8))
+    with pytest.raises(UnsupportedOp, match="ONNX Runtime runs no collectives; use target='eager'"):
+        check_translations(gm, translation_table())
