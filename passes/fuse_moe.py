@@ -48,8 +48,8 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.linears import Linear, expect_constant_params, linear_producing
 from graphopt.rewrite import (
-    DIV_OPS, MUL_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect, expect_op, is_cast,
-    is_op, strip_casts, val,
+    DIV_OPS, MUL_OPS, RUNTIME_ASSERT_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect,
+    expect_op, is_cast, is_op, strip_casts, val,
 )
 
 aten = torch.ops.aten
@@ -229,8 +229,6 @@ def shared_expert(total: fx.Node, routed: fx.Node, x: fx.Node) -> SharedExpert:
 
 # --- the loop over experts with index_add_ (transformers 4.x Mixtral / Qwen2-MoE) ------------
 
-ASSERT_OPS = (aten._assert_async.default, aten._assert_async.msg, aten._assert_scalar.default)
-
 
 @dataclass
 class LoopMatch(MoeMatch):
@@ -331,7 +329,7 @@ def moe_via_index_add_loop(last: fx.Node) -> LoopMatch:
     experts = val(routing.router.weight).shape[0]
     expect(classes == experts, f"the expert mask has {classes} experts, the router {experts}", mask)
     expect(x is _through_views(routing.router.x2d), "router and experts read different inputs", x)
-    dropped = [n for n in _downstream([ids, *nonzeros], 4) if is_op(n, *ASSERT_OPS)]
+    dropped = [n for n in _downstream([ids, *nonzeros], 4) if is_op(n, *RUNTIME_ASSERT_OPS)]
     return LoopMatch(last, routing.router.x2d, routing, (None, False), (None, False), gate_up_parts=gate_up,
                      down_parts=down, dropped=dropped)
 

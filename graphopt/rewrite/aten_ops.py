@@ -49,6 +49,8 @@ SPLIT_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.defaul
 # Runtime checks on symbolic sizes that a rewrite which changes those sizes drops.
 SIZE_ASSERT_OPS = (aten._assert_scalar.default, aten.sym_constrain_range.default,
                    aten.sym_constrain_range_for_size.default)
+# Runtime checks on data-dependent values (a nonzero's count in an expert loop).
+RUNTIME_ASSERT_OPS = (aten._assert_async.default, aten._assert_async.msg, aten._assert_scalar.default)
 
 # --- Linear algebra.
 GEMM_OPS = (aten.mm.default, aten.addmm.default, aten.linear.default)  # a linear layer's GEMM
