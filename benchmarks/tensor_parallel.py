@@ -15,8 +15,9 @@ Per runner and TP: prefill ms (median over --repeat runs of one --prompt-len pro
 batch 1), decode ms/token (median step of a greedy decode of --new-tokens tokens, compile
 and export left out), and the share of prefill in collectives: the profiler's CPU time inside
 ``_c10d_functional::all_reduce`` and ``wait_tensor`` (the wait is where a rank blocks on its
-peer) over the wall time of 3 profiled prefill calls after the timed ones. Decoding gets no
-share yet (see bench_rank). Rank 0's numbers; a script, not a test.
+peer) over the wall time of 3 profiled prefill calls after the timed ones, and of decoding
+over the steps of a second, profiled decode (see bench_rank). Rank 0's numbers; a script,
+not a test.
 """
 
 from __future__ import annotations
@@ -85,10 +86,20 @@ def bench_rank(rank: int, world: int, runner: str, prompt_len: int, new_tokens: 
         def decode():
             return graphopt.generate(model, ids, new_tokens, options=options)
     # graphopt.generate builds its step afresh each call (compilation left out of ms/token).
-    # No collective share for decoding yet: a profile of the whole call also counts the
-    # collectives of compilation's and a failed export's runs, which no decode step timed.
     out = decode()
     row["ms_per_token"] = statistics.median(out.ms_per_token)
+    # The collective share of decoding, from a second, profiled call: only the collectives
+    # that start inside its last sum(ms_per_token) count (the decode steps end the call), so
+    # those of compilation, export and prefill stay out.
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = decode()
+    window_us = sum(profiled.ms_per_token) * 1e3
+    events = [e for e in prof.events() if e.key in COLLECTIVE_EVENTS]
+    end_us = max((e.time_range.end for e in prof.events()), default=0.0)
+    inside = sum(e.cpu_time_total for e in events if e.time_range.start >= end_us - window_us)
+    row["decode_in_collectives"] = inside / window_us if window_us else 0.0
     row["decode_target"] = getattr(out, "target", None) or "eager"
     row["fallback"] = getattr(out, "fallback", None)
     return row
@@ -115,15 +126,16 @@ def main() -> None:
                 rows.append({"runner": runner, "tp": world, "error": str(error).splitlines()[0]})
     table = Table(title=f"llama-small, prompt {args.prompt_len}, {args.new_tokens} new tokens, gloo, "
                         "TP=1 on 2 threads vs TP=2 on 1 thread per rank (rank 0)")
-    for col in ("runner", "TP", "prefill ms", "prefill in collectives", "decode ms/token", "prefill target",
+    for col in ("runner", "TP", "prefill ms", "prefill in collectives", "decode ms/token", "decode in collectives",
+                "prefill target",
                 "decode target", "fallback"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
-            table.add_row(r["runner"], str(r["tp"]), "-", "-", "-", "-", "-", r["error"])
+            table.add_row(r["runner"], str(r["tp"]), "-", "-", "-", "-", "-", "-", r["error"])
             continue
         table.add_row(r["runner"], str(r["tp"]), f"{r['prefill_ms']:.1f}", f"{100 * r['prefill_in_collectives']:.0f}%",
-                      f"{r['ms_per_token']:.1f}", r["prefill_targets"],
+                      f"{r['ms_per_token']:.1f}", f"{100 * r['decode_in_collectives']:.0f}%", r["prefill_targets"],
                       r["decode_target"], (r["fallback"] or "-")[:80])
     console.print(table)
     for r in rows:
