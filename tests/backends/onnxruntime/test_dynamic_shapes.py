@@ -10,7 +10,6 @@ import torch
 
 import graphopt
 from graphopt import models
-from graphopt.backends.onnxruntime import export as export_module
 from graphopt.backends.onnxruntime import session as session_module
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.helpers import assert_matches_eager, eager
@@ -33,17 +32,9 @@ def sessions_run(monkeypatch):
 
 
 @pytest.fixture
-def exported(monkeypatch):
-    """The ONNX models the target exports during a test, in order."""
-    seen = []
-    real = export_module.export_graph
-
-    def spy(*args, **kwargs):
-        seen.append(real(*args, **kwargs))
-        return seen[-1]
-
-    monkeypatch.setattr(export_module, "export_graph", spy)
-    return seen
+def exported(ort_models):
+    """The ONNX models the target exports during a test, in order (conftest.py)."""
+    return ort_models
 
 
 def compile_fresh(module, **kwargs):

@@ -15,26 +15,11 @@ from tests.op_cases import nonzero_random as r
 pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 
-from graphopt.backends.onnxruntime import export as ort_export  # noqa: E402
 from graphopt.backends.onnxruntime.target import onnxruntime  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 
 ORT = Options.parse({"target": "onnxruntime", "fallback": "error"})
 LAYERS = 2
-
-
-@pytest.fixture
-def ort_models(monkeypatch):
-    """The ONNX models the target exports, in order."""
-    models = []
-    real = ort_export.export_graph
-
-    def keep(*args, **kwargs):
-        models.append(real(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(ort_export, "export_graph", keep)
-    return models
 
 
 @pytest.mark.parametrize("normalize", [True, False], ids=["renormalised", "softmax_weights"])

@@ -18,7 +18,6 @@ from tests.op_cases import nonzero_random as r
 pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 
-from graphopt.backends.onnxruntime import export as ort_export  # noqa: E402
 from graphopt.backends.onnxruntime.target import onnxruntime  # noqa: E402
 from graphopt.backends.onnxruntime.translations import int4 as int4_translation  # noqa: E402
 from graphopt.config import Options  # noqa: E402
@@ -28,20 +27,6 @@ ORT = Options.parse({"target": "onnxruntime", "fallback": "error"})
 # accuracy_level 0: QMoE multiplies by exactly the reference's dequantized weights, only the
 # summation order differs (measured <= 1e-5 abs on outputs of magnitude ~5).
 TIGHT = dict(rtol=1e-5, atol=2e-5)
-
-
-@pytest.fixture
-def ort_models(monkeypatch):
-    """The ONNX models the target exports, in order."""
-    models = []
-    real = ort_export.export_graph
-
-    def keep(*args, **kwargs):
-        models.append(real(*args, **kwargs))
-        return models[-1]
-
-    monkeypatch.setattr(ort_export, "export_graph", keep)
-    return models
 
 
 @pytest.fixture

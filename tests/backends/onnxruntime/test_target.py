@@ -34,17 +34,9 @@ ORT_OP_FOR = {  # graphopt op -> the ORT op(s) it must become
 
 
 @pytest.fixture
-def exported(monkeypatch):
-    """The ONNX models the target exports during a test."""
-    models_seen = []
-    real = export_module.export_graph
-
-    def spy(*args, **kwargs):
-        models_seen.append(real(*args, **kwargs))
-        return models_seen[-1]
-
-    monkeypatch.setattr(export_module, "export_graph", spy)
-    return models_seen
+def exported(ort_models):
+    """The ONNX models the target exports during a test, in order (conftest.py)."""
+    return ort_models
 
 
 def compile_on_ort(module, *inputs, **options):
