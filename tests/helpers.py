@@ -58,3 +58,22 @@ def run_pass(name: str, gm: fx.GraphModule, **pass_options: Any):
 def count(report_or_counts: Any, op: str) -> int:
     counts = report_or_counts.op_counts if hasattr(report_or_counts, "op_counts") else report_or_counts
     return counts.get(op, 0)
+
+
+def small_moe_lm(family: str, layers: int = 2, hidden: int = 32, inter: int = 48, moe_inter: int = 24,
+                 shared_inter: int = 40, vocab: int = 96) -> torch.nn.Module:
+    """A seeded transformers Mixtral (``family="mixtral"``: 4 experts, top 2) or Qwen2-MoE (4
+    experts, top 2, a shared expert) causal LM with a small config, in eval mode; the global
+    RNG is left as it was."""
+    import transformers
+
+    small = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        if family == "mixtral":
+            cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **small)
+            return transformers.MixtralForCausalLM(cfg).eval()
+        cfg = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=moe_inter,
+                                          shared_expert_intermediate_size=shared_inter, **small)
+        return transformers.Qwen2MoeForCausalLM(cfg).eval()

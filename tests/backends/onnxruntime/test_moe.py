@@ -9,7 +9,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
-from tests.helpers import assert_matches_eager, eager
+from tests.helpers import assert_matches_eager, eager, small_moe_lm
 from tests.op_cases import nonzero_random as r
 
 pytest.importorskip("onnxruntime")
@@ -40,16 +40,7 @@ def test_moe_op_runs_as_ort_moe_and_matches_the_reference(normalize, shared, ort
 
 
 def _model(family: str, layers: int = LAYERS):
-    small = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if family == "mixtral":
-            cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **small)
-            return transformers.MixtralForCausalLM(cfg).eval()
-        cfg = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                          shared_expert_intermediate_size=40, **small)
-        return transformers.Qwen2MoeForCausalLM(cfg).eval()
+    return small_moe_lm(family, layers)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])

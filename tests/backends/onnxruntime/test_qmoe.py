@@ -13,6 +13,7 @@ import graphopt
 from graphopt.ops.moe_int4 import dequantize_experts
 from graphopt.ops.quant import dequantize_int4
 from graphopt.quantization import quantize_int4
+from tests.helpers import small_moe_lm
 from tests.op_cases import nonzero_random as r
 
 pytest.importorskip("onnxruntime")
@@ -121,16 +122,8 @@ EXPERTS_ONLY = {"search": "rtn", "skip": ["*self_attn*", "*lm_head*"]}
 
 
 def _model(family: str):
-    small = dict(vocab_size=96, hidden_size=64, intermediate_size=64, num_hidden_layers=LAYERS,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        if family == "mixtral":
-            cfg = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **small)
-            return transformers.MixtralForCausalLM(cfg).eval()
-        cfg = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                          shared_expert_intermediate_size=64, **small)
-        return transformers.Qwen2MoeForCausalLM(cfg).eval()
+    # QMoE takes only whole blocks of 32: hidden 64, expert inter 32, shared inter 64.
+    return small_moe_lm(family, LAYERS, hidden=64, inter=64, moe_inter=32, shared_inter=64)
 
 
 def _compiled(model, target: str, int4: bool):
