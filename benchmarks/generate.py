@@ -27,7 +27,7 @@ from rich.table import Table
 import graphopt
 from graphopt.cli.tokenizers import smollm2_gguf
 from graphopt.generation import Sampler, StopConditions, drive
-from graphopt.targets import detect_hardware
+from graphopt.targets import targets_to_compare
 
 console = Console(stderr=True)
 LLAMA_CPP_HOWTO = ("llama.cpp skipped: pip install llama-cpp-python (it builds llama.cpp from source: needs CMake "
@@ -143,8 +143,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    targets = args.targets.split(",") if args.targets else (["eager", "onnxruntime"] if detect_hardware() == "cpu"
-                                                             else ["eager", "triton"])
+    targets = targets_to_compare(args.targets)
     has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
     if not has_llama_cpp:
         console.print(LLAMA_CPP_HOWTO)

@@ -30,7 +30,7 @@ import graphopt
 from graphopt.generation import Sampler, drive
 from graphopt.generation.api import eager_generate
 from graphopt.generation.runner import EagerRunner
-from graphopt.targets import detect_hardware
+from graphopt.targets import targets_to_compare
 
 console = Console(stderr=True)
 
@@ -114,8 +114,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    targets = args.targets.split(",") if args.targets else (["eager", "onnxruntime"] if detect_hardware() == "cpu"
-                                                             else ["eager", "triton"])
+    targets = targets_to_compare(args.targets)
     cols = ("model", "runner", "prefill ms", "x eager", "decode ms/token", "x eager", "tokens =", "setup s", "note")
     lines = [f"MoE: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, batch 1, {args.threads} threads", "",
              "| " + " | ".join(cols) + " |", "|" + "|".join("---" if c in ("model", "runner", "tokens =", "note")

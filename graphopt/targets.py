@@ -77,3 +77,11 @@ def resolve_target(config: Options) -> tuple[Target, list[str]]:
             return target, skipped
         skipped.append(f"{name}: {reason}")
     raise TargetUnavailable("no target can run here: " + "; ".join(skipped))
+
+
+def targets_to_compare(requested: str | None = None) -> list[str]:
+    """The targets a comparison runs: the comma list ``requested``, or eager and the first
+    choice of ``auto`` on this hardware (whether or not it can load here: the run says why)."""
+    if requested:
+        return requested.split(",")
+    return list(dict.fromkeys(("eager", AUTO_ORDER[detect_hardware()][0])))
