@@ -35,100 +35,34 @@ Not matched, with a near miss at the router's ``topk`` that says so: transformer
 depends on the routing: dynamo breaks the graph there even with that flag, and torch.export
 refuses it (a guard on a data-dependent size), so the router's expert ids leave the graph and
 the experts run in others. The near miss names the grouped_mm spelling, which fuses.
+
+Layout: this file holds the grouped_mm matcher, the shared expert and the pass; the loop
+matcher and that near miss are in ``_moe_index_add.py``, the router match and the match
+records both spellings share in ``_moe_routing.py``.
 """
 
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import Linear, expect_constant_params, linear_producing
+from graphopt.linears import expect_constant_params, linear_producing
+from graphopt.passes._moe_index_add import (  # GROUPED_MM_HINT re-exported: debug_cmd's MoE summary names it
+    GROUPED_MM_HINT, LoopMatch, expert_loop_miss, moe_via_index_add_loop,
+)
+from graphopt.passes._moe_routing import (
+    MoeMatch, SharedExpert, call_of_output, grouped_mm_targets, match_routing, through_views, upstream,
+)
 from graphopt.rewrite import (
-    DIV_OPS, MUL_OPS, RUNTIME_ASSERT_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect,
-    expect_op, is_cast, is_op, strip_casts, val,
+    MUL_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect, expect_op, is_cast, is_op,
+    strip_casts, val,
 )
 
 aten = torch.ops.aten
 graphopt = torch.ops.graphopt
-
-
-def _grouped_mm_targets() -> tuple:
-    """The grouped GEMM overloads a captured graph may hold: aten's (bf16 on GPUs) and
-    transformers' fallback custom op (every other dtype), when transformers is loaded."""
-    targets = [aten._grouped_mm.default]
-    try:
-        targets.append(torch.ops.transformers.grouped_mm_fallback.default)
-    except (AttributeError, RuntimeError):  # transformers not imported: no graph can hold its op
-        pass
-    return tuple(targets)
-
-
-def _through_views(node):
-    while is_op(node, *VIEW_OPS):
-        node = node.args[0]
-    return node
-
-
-def _getitem(node, index: int, producer_targets: tuple, what: str) -> fx.Node:
-    """``node`` is output ``index`` of a call to one of ``producer_targets``; returns that call."""
-    expect(is_op(node, operator.getitem) and node.args[1] == index, f"{what} is not output {index} of a call", node)
-    return expect_op(node.args[0], producer_targets, what)
-
-
-@dataclass
-class Routing:
-    topk: fx.Node
-    router: Linear
-    k: int
-    normalize: bool
-
-
-@dataclass
-class SharedExpert:
-    total: fx.Node  # the add of routed and shared outputs: what the fused op replaces
-    gate_up: Linear
-    down: Linear
-    gate: Linear | None
-
-
-@dataclass
-class MoeMatch:
-    out: fx.Node  # the value graphopt.moe replaces
-    x: fx.Node  # [tokens, hidden]
-    routing: Routing
-    gate_up: tuple[fx.Node, bool]  # frozen weight, and whether it is stored [E, in, out]
-    down: tuple[fx.Node, bool]
-    shared: SharedExpert | None = None
-    left_out: list = field(default_factory=list)
-
-
-def _routing(weights: fx.Node, ids: fx.Node) -> Routing:
-    """topk(softmax(x @ Wr^T), k): ``weights`` the (maybe renormalised) values, ``ids`` the indices."""
-    topk = _getitem(ids, 1, (aten.topk.default,), "expert ids")
-    weights = strip_casts(weights)
-    normalize = is_op(weights, *DIV_OPS)
-    if normalize:  # w / w.sum(-1, keepdim=True)
-        values, total = weights.args[:2]
-        expect(is_op(total, aten.sum.dim_IntList) and total.args[0] is values and list(total.args[1]) in ([-1], [1])
-               and (total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)),
-               "routing weights are divided by something other than their sum over k", total)
-        weights = values
-    expect(is_op(weights, operator.getitem) and weights.args[0] is topk and weights.args[1] == 0,
-           "routing weights are not the top-k values of the same topk as the expert ids", weights)
-    args = call_args(topk)
-    expect(args["dim"] in (-1, 1) and args["largest"], "topk is not the largest k over the expert axis", topk)
-    probs = strip_casts(args["self"])
-    expect_op(probs, SOFTMAX_OPS, "router probabilities")
-    expect(probs.args[1] in (-1, 1), "router softmax is not over the expert axis", probs)
-    logits = strip_casts(probs.args[0])
-    router = linear_producing(logits, "router")
-    expect_constant_params(router, "router")
-    expect(router.bias is None, "router has a bias (graphopt.moe has none)", router.bias)
-    return Routing(topk, router, int(args["k"]), normalize)
 
 
 def _expert_weights(weight_t: fx.Node, what: str) -> tuple[fx.Node, bool]:
@@ -143,7 +77,7 @@ def _expert_weights(weight_t: fx.Node, what: str) -> tuple[fx.Node, bool]:
 
 def _grouped_mm(node, what: str) -> tuple[fx.Node, fx.Node, fx.Node]:
     """(input, weight [E, in, out], offsets) of a grouped GEMM without bias."""
-    expect_op(node, _grouped_mm_targets(), what)
+    expect_op(node, grouped_mm_targets(), what)
     args = call_args(node)
     expect(args.get("bias") is None, f"{what} has a bias", node)
     weight = args.get("weight", args.get("mat2"))
@@ -159,7 +93,7 @@ def moe_via_grouped_mm(combine: fx.Node) -> MoeMatch:
     expect_op(inv_perm, (aten.index_put.default,), "inverse permutation")
     perm_node = inv_perm.args[1][0]
     # one (token, slot) pair: aot views the arange down to a 0-d value
-    expect(is_op(_through_views(inv_perm.args[2]), aten.arange.default, aten.arange.start),
+    expect(is_op(through_views(inv_perm.args[2]), aten.arange.default, aten.arange.start),
            "inverse permutation does not scatter an arange", inv_perm)
     expect_op(strip_casts(weighted), MUL_OPS, "weighted expert outputs")
     weighted = strip_casts(weighted)
@@ -175,9 +109,9 @@ def moe_via_grouped_mm(combine: fx.Node) -> MoeMatch:
     hidden_up, gate_up_t, offsets_up = _grouped_mm(act.args[0], "gate/up projection")
     expect(offsets_up is offsets, "the two grouped GEMMs use different offsets", offsets_up)
 
-    sort = _getitem(perm_node, 1, (aten.sort.default, aten.sort.stable), "token permutation")
-    ids = _through_views(sort.args[0])
-    routing = _routing(_through_views(sorted_w.args[0]), ids)
+    sort = call_of_output(perm_node, 1, (aten.sort.default, aten.sort.stable), "token permutation")
+    ids = through_views(sort.args[0])
+    routing = match_routing(through_views(sorted_w.args[0]), ids)
     k = routing.k
     _check_offsets(offsets, sort, val(routing.router.weight).shape[0])
 
@@ -186,7 +120,7 @@ def moe_via_grouped_mm(combine: fx.Node) -> MoeMatch:
     expect(is_op(token_of, aten.floor_divide.default, aten.div.Tensor_mode) and token_of.args[0] is perm_node
            and token_of.args[1] == k, f"tokens are not gathered with perm // {k}", token_of)
     x = gathered.args[0]
-    expect(_through_views(x) is _through_views(routing.router.x2d) and val(x).dim() == 2,
+    expect(through_views(x) is through_views(routing.router.x2d) and val(x).dim() == 2,
            "router and experts read different inputs", x)
     gate_up, down = _expert_weights(gate_up_t, "gate/up"), _expert_weights(down_t, "down")
     return MoeMatch(combine, x, routing, gate_up, down)
@@ -223,137 +157,8 @@ def shared_expert(total: fx.Node, routed: fx.Node, x: fx.Node) -> SharedExpert:
         expect_constant_params(lin, f"shared expert {what} projection")
         expect(lin.bias is None, f"shared expert {what} projection has a bias", lin.bias)
     for lin in (gate_up, gate) if gate else (gate_up,):
-        expect(_through_views(lin.x2d) is _through_views(x), "shared expert reads another input", lin.x2d)
+        expect(through_views(lin.x2d) is through_views(x), "shared expert reads another input", lin.x2d)
     return SharedExpert(total, gate_up, down, gate)
-
-
-# --- the loop over experts with index_add_ (transformers 4.x Mixtral / Qwen2-MoE) ------------
-
-
-@dataclass
-class LoopMatch(MoeMatch):
-    gate_up_parts: list = field(default_factory=list)  # per expert: [2 * inter, hidden] tensor
-    down_parts: list = field(default_factory=list)  # per expert: [hidden, inter] tensor
-    dropped: list = field(default_factory=list)  # runtime asserts of the loop's data-dependent sizes
-
-
-def _expert_matrix(node: fx.Node, what: str) -> torch.Tensor:
-    """A frozen 2-D weight: a constant, or ``select(constant, 0, e)`` of a 3-D one."""
-    if is_op(node, aten.select.int) and node.args[1] == 0 and ir.get_constant(node.args[0]) is not None:
-        return ir.get_constant(node.args[0])[node.args[2]]
-    tensor = ir.get_constant(node)
-    expect(tensor is not None, f"{what} weight is not a constant (freeze_weights=False?)", node)
-    return tensor
-
-
-def _expert_mlp(out: fx.Node, e: int) -> tuple[fx.Node, torch.Tensor, torch.Tensor]:
-    """(rows it reads, [W_gate; W_up], W_down) of ``down(silu(x @ Wg^T) * (x @ Wu^T))``, or of
-    ``down(graphopt.swiglu(x @ [Wg; Wu]^T))`` once fuse_gated_mlp has run."""
-    down = linear_producing(out, f"expert {e} down projection")
-    expect(down.bias is None, f"expert {e} down projection has a bias", down.bias)
-    act = down.x2d
-    if is_op(act, graphopt.swiglu.default):
-        gate_up = linear_producing(act.args[0], f"expert {e} gate/up projection")
-        expect(gate_up.bias is None, f"expert {e} gate/up projection has a bias", gate_up.bias)
-        return (gate_up.x2d, _expert_matrix(gate_up.weight, f"expert {e} gate/up"),
-                _expert_matrix(down.weight, f"expert {e} down"))
-    expect_op(act, MUL_OPS, f"expert {e} activation (silu(gate) * up)")
-    silu, up_out = commuted(act, lambda v: is_op(v, aten.silu.default), "silu of the gate projection")
-    gate = linear_producing(silu.args[0], f"expert {e} gate projection")
-    up = linear_producing(up_out, f"expert {e} up projection")
-    expect(gate.bias is None and up.bias is None, f"expert {e} gate or up projection has a bias", gate.gemm)
-    expect(gate.x2d is up.x2d, f"expert {e} gate and up projections read different rows", up.x2d)
-    weights = [_expert_matrix(lin.weight, f"expert {e} {w}") for lin, w in ((gate, "gate"), (up, "up"))]
-    return gate.x2d, torch.cat(weights), _expert_matrix(down.weight, f"expert {e} down")
-
-
-def _expert_ids_of_mask(mask: fx.Node) -> tuple[fx.Node, int]:
-    """``one_hot(ids, experts).permute(2, 1, 0)`` as aot writes it: ``_to_copy(eq(unsqueeze(ids,
-    -1), arange(experts)), int64)`` permuted; returns ``(ids, experts)``."""
-    expect(is_op(mask, aten.permute.default) and list(mask.args[1]) == [2, 1, 0],
-           "expert mask is not one_hot(ids).permute(2, 1, 0)", mask)
-    eq = strip_casts(mask.args[0])
-    expect_op(eq, (aten.eq.Tensor,), "expert mask (one_hot's comparison with an arange)")
-    ids, arange = eq.args[0], eq.args[1]
-    expect(is_op(arange, aten.arange.default) and isinstance(arange.args[0], int),
-           "expert mask does not compare the ids with arange(experts)", arange)
-    expect(is_op(ids, aten.unsqueeze.default) and ids.args[1] in (-1, 2), "expert mask does not unsqueeze the ids", ids)
-    return ids.args[0], arange.args[0]
-
-
-def moe_via_index_add_loop(last: fx.Node) -> LoopMatch:
-    """Match ``zeros -> index_add(0, token_e, expert_e(x[token_e]) * w[token_e, slot_e]) -> ...``
-    over every expert e, ``slot_e, token_e = where(mask[e])``, back to the router."""
-    links, acc = [], last
-    while is_op(acc, aten.index_add.default):
-        links.append(acc)
-        acc = acc.args[0]
-    links.reverse()
-    expect_op(acc, (aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default), "expert loop accumulator")
-    mask, weights, x, gate_up, down, nonzeros = None, None, None, [], [], []
-    for e, link in enumerate(links):
-        expect(link.args[1] == 0 and all(len(u.args) > 0 for u in link.users),
-               f"expert {e}'s index_add is not along the token axis", link)
-        expect(link is last or len(link.users) == 1, f"expert {e}'s partial sum has other readers", link)
-        token = link.args[2]
-        unbind = _getitem(token, 1, (aten.unbind.int,), f"expert {e}'s token ids")
-        nonzero = expect_op(unbind.args[0], (aten.nonzero.default,), f"expert {e}'s (slot, token) pairs")
-        row = expect_op(nonzero.args[0], (aten.select.int,), f"expert {e}'s mask row")
-        expect(row.args[1] == 0 and row.args[2] == e, f"index_add {e} reads the mask row of expert {row.args[2]}", row)
-        expect(mask in (None, row.args[0]), "the experts read different masks", row)
-        mask = row.args[0]
-        nonzeros.append(nonzero)
-        weighted = strip_casts(link.args[3])
-        expect_op(weighted, MUL_OPS, f"expert {e}'s weighted output")
-        scale, expert_out = commuted(weighted, lambda v: is_op(v, aten.index.Tensor), "a gathered routing weight")
-        expect(len(scale.args[1]) == 2 and scale.args[1][0] is token, f"expert {e}'s weight is not w[token, slot]", scale)
-        slot = _getitem(scale.args[1][1], 0, (aten.unbind.int,), f"expert {e}'s slots")
-        expect(slot is unbind, f"expert {e}'s weight is not w[token, slot] of its own mask row", scale)
-        source = scale.args[0]
-        source = source.args[0] if is_op(source, aten.unsqueeze.default) else source
-        expect(weights in (None, source), "the experts read different routing weights", scale)
-        weights = source
-        rows, gu, dn = _expert_mlp(strip_casts(expert_out), e)
-        gather = rows.args[0] if is_op(rows, *VIEW_OPS) else rows
-        expect_op(gather, (aten.index.Tensor,), f"expert {e}'s rows (x[token])")
-        indices = [i for i in gather.args[1] if i is not None]
-        expect(indices == [token], f"expert {e} gathers rows other than its own tokens", gather)
-        source_x = gather.args[0].args[0] if is_op(gather.args[0], aten.unsqueeze.default) else gather.args[0]
-        expect(x in (None, _through_views(source_x)), "the experts read different inputs", gather)
-        x = _through_views(source_x)
-        gate_up.append(gu)
-        down.append(dn)
-    ids, classes = _expert_ids_of_mask(mask)
-    expect(len(links) == classes, f"the loop adds {len(links)} experts, the expert mask has {classes}", last)
-    routing = _routing(strip_casts(weights), ids)
-    experts = val(routing.router.weight).shape[0]
-    expect(classes == experts, f"the expert mask has {classes} experts, the router {experts}", mask)
-    expect(x is _through_views(routing.router.x2d), "router and experts read different inputs", x)
-    dropped = [n for n in _downstream([ids, *nonzeros], 4) if is_op(n, *RUNTIME_ASSERT_OPS)]
-    return LoopMatch(last, routing.router.x2d, routing, (None, False), (None, False), gate_up_parts=gate_up,
-                     down_parts=down, dropped=dropped)
-
-
-GROUPED_MM_HINT = ("load the model with experts_implementation='grouped_mm' (transformers' default under "
-                   "torch.compile), the spelling fuse_moe fuses")
-
-
-def expert_loop_miss(topk: fx.Node) -> str | None:
-    """Why a router ``topk`` heads an expert loop fuse_moe cannot fuse, or None: its expert ids
-    leave the graph with no expert in it (the experts run in other graphs), or feed a
-    ``nonzero`` / ``index_add`` loop captured whole."""
-    ids = [u for u in topk.users if is_op(u, operator.getitem) and u.args[1] == 1]
-    below = _downstream(ids, 12)
-    if any(is_op(n, *_grouped_mm_targets()) for n in below):
-        return None  # the grouped_mm spelling: the sum over k anchors it
-    if not any(is_op(n, aten.index_add.default) for n in below) and any(n.op == "output" for n in below):
-        return ("router top-k's expert ids leave the graph, so the experts run in other graphs: transformers' "
-                "eager experts loop (for expert in expert_hit: ... index_add_) breaks dynamo's graph, its trip "
-                "count depends on the routing; " + GROUPED_MM_HINT)
-    if any(is_op(n, aten.nonzero.default) for n in below) and not any(is_op(n, aten.index_add.default) for n in below):
-        return ("expert loop over nonzero(expert mask) with no index_add_ into an output is not a spelling "
-                "fuse_moe matches; " + GROUPED_MM_HINT)
-    return None  # a captured index_add_ loop: its last index_add anchors it
 
 
 class FuseMoe(PatternPass):
@@ -374,14 +179,14 @@ class FuseMoe(PatternPass):
         if is_op(combine, aten.index_add.default):
             if any(is_op(u, aten.index_add.default) and u.args[0] is combine for u in combine.users):
                 return "not the last index_add of an expert loop (matched from the last)"
-            if not any(is_op(n, aten.nonzero.default) for n in _upstream(combine, 4)):
+            if not any(is_op(n, aten.nonzero.default) for n in upstream(combine, 4)):
                 return "an index_add that is no expert loop's (no nonzero of an expert mask in front)"
             return None
         source = combine.args[0]
         if not (is_op(source, *VIEW_OPS) and val(source) is not None and val(source).dim() == 3
                 and list(combine.args[1]) == [1]):
             return "not a sum over the k axis of [tokens, k, hidden]"
-        if not any(is_op(strip_casts(n), *_grouped_mm_targets()) for n in _upstream(source, 4)):
+        if not any(is_op(strip_casts(n), *grouped_mm_targets()) for n in upstream(source, 4)):
             return "no grouped GEMM in front of the sum"
         return None
 
@@ -418,24 +223,6 @@ class FuseMoe(PatternPass):
         m.out.replace_all_uses_with(fused)
         for node in getattr(m, "dropped", ()):  # checks of the loop's sizes: the loop is gone
             graph.erase_node(node)
-
-
-def _upstream(node: fx.Node, depth: int) -> list[fx.Node]:
-    """Nodes up to ``depth`` edges above ``node``."""
-    seen, frontier = [], [node]
-    for _ in range(depth):
-        frontier = [a for n in frontier for a in n.all_input_nodes]
-        seen += frontier
-    return seen
-
-
-def _downstream(nodes: list[fx.Node], depth: int) -> set[fx.Node]:
-    """Nodes (the output node included) up to ``depth`` edges below ``nodes``."""
-    seen, frontier = set(), list(nodes)
-    for _ in range(depth):
-        frontier = [u for n in frontier for u in n.users if u not in seen]
-        seen.update(frontier)
-    return seen
 
 
 def _nn_layout(gm: fx.GraphModule, weight_and_layout: tuple[fx.Node, bool]) -> fx.Node:
