@@ -1,0 +1,23 @@
+"""What every model source returns (``LoadedModel``), and the one line of an exception that
+its ``ModelLoadError`` quotes. See ``graphopt/cli/model_source.py`` for the sources."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to compile: ``module(*example_inputs)`` runs it once."""
+
+    name: str
+    module: nn.Module
+    example_inputs: tuple
+    family: str  # "llama" | "bert" | "hf-causal-lm" | "hf-encoder" | "custom"
+
+
+def first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__
