@@ -82,6 +82,10 @@ OP_CASES = {
                     (_r(3, 64), *int4_weight(24, 64))),
     "int8_linear": ("graphopt.int8_linear", lambda x, codes, scales: g.int8_linear(x, codes, scales, 32),
                     (_r(3, 64), *int8_weight(24, 64))),
+    "quantized_embedding": ("graphopt.quantized_embedding",
+                            lambda ids, codes, scales: g.quantized_embedding(codes, scales, ids, 4, 32, 64,
+                                                                             torch.float32),
+                            (torch.tensor([[3, 0, 23], [5, 5, 1]]), *int4_weight(24, 64))),
     "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
             (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3,  # router, experts
              _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),  # shared expert and its gate

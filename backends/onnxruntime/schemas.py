@@ -30,6 +30,7 @@ ORT_OPS: tuple[tuple[str, str], ...] = (
     (MS_DOMAIN, "MultiHeadAttention"),
     (MS_DOMAIN, "GroupQueryAttention"),
     (MS_DOMAIN, "MatMulNBits"),
+    (MS_DOMAIN, "GatherBlockQuantized"),
     (MS_DOMAIN, "MoE"),
     (MS_DOMAIN, "QMoE"),
 )

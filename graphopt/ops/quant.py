@@ -18,6 +18,9 @@ Dequantized weight: ``w[n, k] = (q[n, k] - z[n, k // group_size]) * scales[n, k 
 
 ``graphopt.int8_linear`` is the same layout at 8 bits (one code a byte, symmetric, zero
 point 128: MatMulNBits with bits=8), for the layers 4 bits cost too much (an LM head).
+
+``graphopt.quantized_embedding`` looks rows up in a [vocab, hidden] table stored in either
+format (N = vocab, K = hidden): a table tied to an LM head can be the head's own tensors.
 """
 
 from __future__ import annotations
@@ -158,3 +161,55 @@ def _(x, qweight, scales, group_size, bias=None):
 
 
 register("int8_linear")
+
+
+# --- embeddings: the table quantized row-wise in the same format ------------------------
+
+EMBEDDING_BITS = (4, 8)
+
+
+def check_embedding(codes: Tensor, scales: Tensor, bits: int, group_size: int, hidden: int) -> tuple[int, int]:
+    """Validate a quantized embedding table; return (vocab, groups). One-line errors."""
+    if bits not in EMBEDDING_BITS:
+        raise ValueError(f"quantized_embedding bits must be 4 or 8, got {bits}")
+    if codes.dtype != torch.uint8 or codes.dim() != 2:
+        raise ValueError(f"quantized_embedding codes must be 2-D uint8 [vocab, hidden * bits / 8], got {codes.dtype} "
+                         f"{tuple(codes.shape)}")
+    if scales.dim() != 2 or scales.dtype not in SCALE_DTYPES:
+        raise ValueError(f"quantized_embedding scales must be 2-D float16/bfloat16/float32 [vocab, G], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    vocab, groups = scales.shape
+    if tuple(codes.shape) != (vocab, groups * group_size * bits // 8):
+        raise ValueError(f"quantized_embedding codes are {tuple(codes.shape)}; scales {tuple(scales.shape)} with "
+                         f"group_size {group_size} at {bits} bits need ({vocab}, {groups * group_size * bits // 8})")
+    if not (groups - 1) * group_size < hidden <= groups * group_size:
+        raise ValueError(f"hidden size {hidden} does not fit {groups} groups of {group_size}")
+    return vocab, groups
+
+
+@torch.library.custom_op("graphopt::quantized_embedding", mutates_args=())
+def quantized_embedding(codes: Tensor, scales: Tensor, ids: Tensor, bits: int, group_size: int, hidden: int,
+                        dtype: torch.dtype) -> Tensor:
+    """``F.embedding(ids, table)`` of a table [vocab, hidden] stored as symmetric group-wise
+    codes along the hidden axis: ``codes`` and ``scales`` are exactly ``int4_linear``'s
+    ``packed`` / ``scales`` (bits 4, zero point 8) or ``int8_linear``'s (bits 8, zero point
+    128) with N = vocab and K = hidden, so a table tied to an LM head can be one set of
+    tensors read by both. Only the rows ``ids`` picks are dequantized; the result is
+    [*ids.shape, hidden] in ``dtype`` (the table's dtype before quantization)."""
+    check_embedding(codes, scales, bits, group_size, hidden)
+    rows = ids.reshape(-1)
+    picked_codes, picked_scales = codes.index_select(0, rows), scales.index_select(0, rows)
+    if bits == 4:
+        table = dequantize_int4(picked_codes, picked_scales, None, group_size, hidden)
+    else:
+        table = dequantize_int8(picked_codes, picked_scales, group_size, hidden)
+    return table.to(dtype).reshape(*ids.shape, hidden)
+
+
+@quantized_embedding.register_fake
+def _(codes, scales, ids, bits, group_size, hidden, dtype):
+    check_embedding(codes, scales, bits, group_size, hidden)
+    return scales.new_empty((*ids.shape, hidden), dtype=dtype)
+
+
+register("quantized_embedding")
