@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from graphopt.cli import calibration
 from graphopt.cli.common import MODEL_HELP, parse_options
 from graphopt.cli.output import console, print_json, status_console, table
 from graphopt.errors import GraphoptError
@@ -29,6 +30,15 @@ def export(
     model: str = typer.Argument(..., help=MODEL_HELP),
     output: str = typer.Option(..., "--output", "-o", help="the .onnx file to write (with --kv-cache, also NAME.decode.onnx)"),
     int4: bool = typer.Option(False, "--int4", help="quantize linear weights to INT4 (MatMulNBits)"),
+    calibration_text: str = typer.Option(None, "--calibration-text", metavar="FILE", help=(
+        "with --int4: calibrate GPTQ on this UTF-8 text, tokenized with the model's tokenizer (a .gguf file or a "
+        "checkpoint directory with tokenizer.json), instead of the example token ids; any prose in the "
+        "model's language will do")),
+    calibration_tokens: int = typer.Option(calibration.DEFAULT_TOKENS, "--calibration-tokens", metavar="N", help=(
+        "with --calibration-text: calibrate on its first N tokens (more: better scales, slower export)")),
+    int4_budget: float = typer.Option(None, "--int4-budget", metavar="F", help=(
+        "with --int4: the quantized weights may take up to F times their fp32 bytes; the layers whose 4-bit "
+        "error costs most move to 8 bits while it fits (4 bits alone take about 0.16; e.g. 0.2)")),
     kv_cache: bool = typer.Option(False, "--kv-cache", help="export prefill + decode-step models with KV-cache inputs/outputs"),
     opset: int = typer.Option(DEFAULT_OPSET, "--opset", help=f"ONNX opset of the model: {MIN_OPSET} up to the "
                               "newest the installed onnx package knows"),
@@ -44,7 +54,9 @@ def export(
     """Export MODEL to ONNX through graphopt's passes, then check the file in ONNX Runtime.
 
     Prints the error against eager and top-1 agreement, the op histogram (ORT fused ops
-    counted), INT4 weight bytes, file sizes and the time of each stage. Writes into a temporary
+    counted), INT4 weight bytes and what INT4 calibrated on, file sizes and the time of each
+    stage. --int4 calibrates GPTQ on the example token ids unless --calibration-text gives a real
+    text (better scales on a trained model); --int4-budget spends bytes on 8-bit layers. Writes into a temporary
     folder and moves the files into place only once ONNX Runtime agrees with eager, so an
     interrupted or failed export leaves no file behind; never overwrites without --force. --kv-cache takes graphopt's Llama and Hugging Face causal LMs
     (no padding: the models take no attention mask).
@@ -54,6 +66,8 @@ def export(
     Example: graphopt export llama-small -o llama-int4.onnx --int4
 
     Example: graphopt export path/to/config.json -o model.onnx --kv-cache --json
+
+    Example: graphopt export model.gguf -o q.onnx --int4 --calibration-text notes.txt --int4-budget 0.2
     """
     from graphopt.backends.onnxruntime.target import missing_package
 
@@ -68,6 +82,10 @@ def export(
     config = parse_options(option)
     int4 = int4 or config.int4  # --option int4=true is --int4: the same pass, the same validation
     tool.check_destination(output, force)
+    calibrated = _check_int4_flags(int4, kv_cache, calibration_text, calibration_tokens, int4_budget)
+    ids, calibration_source = (calibration.token_ids(model, calibration_text, calibration_tokens)
+                               if calibrated else (None, None))
+    config = calibration.with_int4_options(config, ids, int4_budget)
     if kv_cache:
         tool.check_destination(generate.decode_path(output), force)
         tool.pipeline_options(config, int4)  # fail on --int4 before loading anything
@@ -86,6 +104,9 @@ def export(
                 result = tool.export_model(loaded.module, loaded.example_inputs, staged, input_names=_input_names(loaded),
                                            output_names=_output_names(loaded), **common)
             data = {"model": loaded.name, **result.to_dict()}
+            if int4:
+                data["int4_calibration"] = {"source": calibration_source, "budget": int4_budget,
+                                            "pass": calibration.calibration_lines(data)}
             failed = _failures(data, config.tolerance, int4)
             _publish(data, Path(output).parent, move=not failed)
     data["stages_s"] = {"load": load_s, **data["stages_s"]}
@@ -96,6 +117,19 @@ def export(
         _print_human(data, failed)
     if failed:
         raise typer.Exit(1)
+
+
+def _check_int4_flags(int4: bool, kv_cache: bool, text: str | None, tokens: int, budget: float | None) -> bool:
+    """Whether to calibrate on a text; one clear error for a flag that cannot apply."""
+    if not int4 and (text is not None or budget is not None):
+        flag = "--calibration-text" if text is not None else "--int4-budget"
+        raise GraphoptError(f"{flag} tunes INT4 quantization: add --int4")
+    if text is not None and kv_cache:
+        raise GraphoptError("--calibration-text calibrates a single-graph export: drop --kv-cache (the decode "
+                            "graph's cache inputs cannot be filled from token ids), or drop --calibration-text")
+    if text is None and tokens != calibration.DEFAULT_TOKENS:
+        raise GraphoptError("--calibration-tokens counts tokens of --calibration-text: add --calibration-text FILE")
+    return text is not None
 
 
 def _check_opset(opset: int) -> None:
@@ -188,10 +222,24 @@ def _failures(data: dict, tolerance: float, int4: bool) -> list[str]:
         for row in f["validation"]:
             if not int4 and not row["rel_err"] <= tolerance:
                 failed.append(f"{f['role']}: relative error {row['rel_err']:.3g} > {tolerance:g} on inputs {row['input_shapes']}")
+    for fallback in data["fallbacks"] if int4 else ():
+        if fallback["where"] == f"pass:{calibration.PASS_NAME}":  # --int4 asked, nothing quantized
+            failed.append(f"INT4 quantization failed, so the file would be fp32: {fallback['reason']}")
     generation = data.get("generation")
     if generation and not generation["tokens_equal"] and not int4:
         failed.append("greedy tokens from ONNX Runtime differ from eager")
     return failed
+
+
+def _print_calibration(info: dict | None) -> None:
+    if not info:
+        return
+    source = info["source"]
+    what = (f"the first {source['tokens']} of {source['text_tokens']} tokens of {source['text']}" if source
+            else "the example inputs (give --calibration-text FILE to calibrate on real text)")
+    budget = f"; byte budget {info['budget']:g} of fp32" if info["budget"] is not None else ""
+    console.print(f"INT4 calibrated on {what}{budget}; the pass: {'; '.join(info['pass']) or 'no record'}",
+                  highlight=False)
 
 
 def _print_human(data: dict, failed: list[str]) -> None:
@@ -210,6 +258,7 @@ def _print_human(data: dict, failed: list[str]) -> None:
             console.print(f"[bold]{f['role']}[/] INT4: {q['matmulnbits']} MatMulNBits, their weights "
                           f"{q['bytes'] / 2**20:.1f} MB vs {q['fp32_bytes'] / 2**20:.1f} MB in fp32 ({q['ratio']:.3f}x); "
                           f"{q['float_matmuls']} MatMul left with float weights")
+    _print_calibration(data.get("int4_calibration"))
     generation = data.get("generation")
     if generation:
         if generation["tokens_equal"]:

@@ -16,9 +16,12 @@ from graphopt.errors import ModelLoadError
 
 
 def load_tokenizer(spec: str) -> Any:
-    """The tokenizer that belongs to ``spec`` (a .gguf file, or a checkpoint directory with
-    tokenizer.json / tokenizer_config.json), left-padding for batches; ModelLoadError otherwise."""
+    """The tokenizer that belongs to ``spec`` (a .gguf file, or a checkpoint directory, or its
+    config.json, with tokenizer.json / tokenizer_config.json), left-padding for batches;
+    ModelLoadError otherwise."""
     path = Path(spec).expanduser()
+    if path.name == "config.json" and path.is_file():
+        path = path.parent  # a Hugging Face config names its checkpoint folder, where the tokenizer lives
     folder = path.parent if path.is_file() else path
     if path.suffix == ".gguf" and path.is_file():
         gguf_packages()
