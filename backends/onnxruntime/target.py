@@ -15,7 +15,9 @@ tensor input axis of the same size inside the model, and SymInt outputs are comp
 run's input sizes. Only where that cannot work (a SymInt that is no input axis's size, or an
 export that fails with dynamic axes) does the graph fall back to one static model per input
 signature (``_PerSignature``, up to ``MAX_SPECIALIZATIONS``), with a warning and a note.
-Every export + session is a build in the graph's report.
+Every export + session is a build in the graph's report. A later graph that is a dynamic
+graph's instance (dynamo's batch-of-1 recompile: ``s0 = 1``) runs on that graph's session,
+with no build and a note (``reuse.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
@@ -61,6 +64,9 @@ class OnnxRuntimeTarget:
 
         if not partition.is_partition(gm):  # decompose what has no translation, cut off what cannot export
             return partition.compile_partitioned(self, gm, example_inputs, config)
+        reused = _serve_from_earlier(gm, config.provider)
+        if reused is not None:
+            return reused
         if not _has_symbolic_shapes(gm):
             inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
             if inputs is not None:
@@ -159,12 +165,45 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
         model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from)
     except OnnxExportError as error:
         return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
-    return _runner(gm, model, session, SessionRunner(session, None), inputs, plan)
+    run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan)
+    reuse.remember(gm, model, session, provider, owner=run)
+    return run
 
 
-def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None) -> Callable:
+def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
+    """``gm`` run on the session of an earlier dynamic graph it is an instance of, or None."""
+    from graphopt.backends.onnxruntime.session import SessionRunner
+
+    found = reuse.find(gm, provider)
+    if found is None:
+        return None
+    earlier, binding = found
+    plan = SizePlan.of(gm) if _has_symbolic_shapes(gm) else None
+    if plan is not None and plan.problem:
+        return None
+    outputs = gm.graph.output_node().args[0]
+    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+    output_plan = []
+    for position, (p, out) in enumerate(zip(earlier.model.output_plan, outputs)):
+        if isinstance(p, tuple) and p[0] == "sym":  # a size: this graph's own, from its own inputs
+            val = out.meta.get("val") if isinstance(out, fx.Node) else out
+            p = ("sym", position) if plan is not None and position in plan.outputs else ("const", int(val))
+        output_plan.append(p)
+    placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    run = _runner(gm, earlier.model, earlier.session, SessionRunner(earlier.session, None), placeholders, plan,
+                  output_plan)
+    run.graphopt_reusable = earlier  # this callable keeps the session alive too
+    message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {reuse.describe(binding)} "
+               "(dynamo's recompile), and that graph's session serves it")
+    log.info("graphopt: %s", message)
+    run.graphopt_notes = [message]
+    return run
+
+
+def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None,
+            output_plan: list | None = None) -> Callable:
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
-    outputs_plan = model.output_plan
+    outputs_plan = model.output_plan if output_plan is None else output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
     layouts = _output_layouts(gm)
 
