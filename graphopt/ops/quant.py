@@ -196,14 +196,16 @@ def quantized_embedding(codes: Tensor, scales: Tensor, ids: Tensor, bits: int, g
     128) with N = vocab and K = hidden, so a table tied to an LM head can be one set of
     tensors read by both. Only the rows ``ids`` picks are dequantized; the result is
     [*ids.shape, hidden] in ``dtype`` (the table's dtype before quantization)."""
-    check_embedding(codes, scales, bits, group_size, hidden)
+    _, groups = check_embedding(codes, scales, bits, group_size, hidden)
     rows = ids.reshape(-1)
-    picked_codes, picked_scales = codes.index_select(0, rows), scales.index_select(0, rows)
+    # int32 before unpacking: this reference is also what the ONNX export decomposes the op
+    # into, and the exporter types a uint8 shift as int8.
+    picked = codes.index_select(0, rows).to(torch.int32)
     if bits == 4:
-        table = dequantize_int4(picked_codes, picked_scales, None, group_size, hidden)
-    else:
-        table = dequantize_int8(picked_codes, picked_scales, group_size, hidden)
-    return table.to(dtype).reshape(*ids.shape, hidden)
+        picked = torch.stack((picked & 0xF, picked >> 4), dim=-1)
+    q = picked.reshape(-1, groups, group_size).float() - (1 << (bits - 1))
+    table = (q * scales.index_select(0, rows).float().unsqueeze(-1)).reshape(-1, groups * group_size)
+    return table[:, :hidden].to(dtype).reshape(*ids.shape, hidden)
 
 
 @quantized_embedding.register_fake
