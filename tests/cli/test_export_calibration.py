@@ -132,3 +132,14 @@ def test_the_help_teaches_the_flags():
     for flag in ("--calibration-text", "--calibration-tokens", "--int4-budget"):
         assert flag in out
     assert "tokenizer" in out and "8 bits" in out
+
+
+def test_a_config_json_finds_the_tokenizer_of_its_checkpoint(checkpoint, tmp_path):
+    from graphopt.cli.tokenizers import load_tokenizer
+    from graphopt.errors import ModelLoadError
+
+    assert load_tokenizer(str(checkpoint / "config.json"))("the cat")["input_ids"] == \
+        text_model.tokenizer()("the cat")["input_ids"]
+    (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match="has no tokenizer"):  # a config alone has none
+        load_tokenizer(str(tmp_path / "config.json"))
