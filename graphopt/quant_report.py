@@ -3,7 +3,12 @@
 - Weight bytes before / after and the per-layer relative Frobenius error of each
   dequantized weight come from the ``quantize_int4`` pass's stats (a pipeline records
   them in ``PassRecord.stats``; the report's ``passes`` list carries them):
-  :func:`int4_summary` gathers them over every compiled graph.
+  :func:`int4_summary` gathers them over every compiled graph. Quantized embedding tables
+  (``embedding_bits``) are layers with ``kind: "embedding"``; a table tied to an LM head
+  and stored once is ``shared`` and counted once.
+- What ONNX Runtime reads of an exported model's quantized weights (initializers behind
+  MatMulNBits / GatherBlockQuantized, in the dtype read) and the file size:
+  :func:`onnx_quantized_bytes`.
 - Logits error and top-1 agreement need the fp32 model's logits next to the quantized
   ones: :func:`logits_metrics`.
 """
@@ -90,3 +95,43 @@ def layer_rows(summary: dict[str, Any]) -> list[list[Any]]:
              "-" if layer.get("output_error") is None else round(layer["output_error"], 6),
              layer["bytes_before"], layer["bytes_after"]]
             for layer in summary["layers"]]
+
+
+# ONNX ops that read quantized weights, and which of their inputs hold them (codes, scales, zero points).
+_QUANTIZED_INPUTS = {"MatMulNBits": (1, 2, 3), "GatherBlockQuantized": (0, 2, 3)}
+_FOLDED_AT_LOAD = ("Reshape", "Transpose", "Cast")  # ONNX Runtime folds these of a constant when it loads
+
+
+def onnx_quantized_bytes(model: Any, path: str | None = None) -> dict[str, Any]:
+    """What ONNX Runtime reads for the quantized weights of an exported model (an onnx_ir
+    ``Model`` or graphopt's ``OnnxModel``): each initializer behind a ``MatMulNBits`` or
+    ``GatherBlockQuantized`` weight input (through Reshape / Transpose / Cast, which ORT folds
+    at load), counted once per dtype however many ops read it, in the dtype the op reads (a
+    Cast's output dtype). ``shared``: initializers both op types read (a tied table). ``file_bytes``: the size of the saved model at ``path`` (with its external
+    data file, if any), else None."""
+    import os
+
+    import onnx_ir as ir
+
+    graph = getattr(model, "model", model).graph
+    read: dict[str, int] = {}
+    readers: dict[str, set[str]] = {}
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for index in _QUANTIZED_INPUTS.get(node.op_type, ()):
+            if index >= len(node.inputs) or node.inputs[index] is None:
+                continue
+            value = source = node.inputs[index]
+            while source.const_value is None and source.producer() is not None \
+                    and source.producer().op_type in _FOLDED_AT_LOAD:
+                source = source.producer().inputs[0]
+            if source.const_value is None:
+                raise ValueError(f"{node.op_type} input {value.name} does not come from an initializer")
+            dtype = value.dtype or source.dtype  # one Cast target: one folded copy, whoever reads it
+            read[f"{source.name}:{dtype.name}"] = int(source.const_value.size * dtype.itemsize)
+            readers.setdefault(source.name, set()).add(node.op_type)
+    file_bytes = None
+    if path is not None:
+        data = os.path.join(os.path.dirname(os.fspath(path)), os.path.basename(os.fspath(path)) + ".data")
+        file_bytes = os.path.getsize(path) + (os.path.getsize(data) if os.path.exists(data) else 0)
+    return {"bytes": sum(read.values()), "initializers": read,
+            "shared": sorted(name for name, ops in readers.items() if len(ops) > 1), "file_bytes": file_bytes}

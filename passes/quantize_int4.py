@@ -37,6 +37,11 @@ Mixture of experts (passes/_quantize_moe.py): ``graphopt.moe``'s routed experts 
 ``graphopt.int4_moe`` (4-bit experts, round-to-nearest), its shared expert two linears
 quantized as above; the router stays in full precision.
 
+Embeddings (passes/_quantize_embedding.py, ``embedding_bits`` 4 or 8; 0 leaves them in
+full precision): ``aten.embedding(W, ids)`` -> ``graphopt.quantized_embedding`` of the table
+quantized the same way along the hidden axis (round-to-nearest); a table tied to an LM head
+quantized at the same bits reads the head's codes, so it is stored once.
+
 Order: run it after the fusions that concatenate weights (merge_qkv, fuse_gated_mlp):
 they need the full-precision constants. It is opt-in, not in the default pipeline.
 """
@@ -52,7 +57,7 @@ import torch.fx as fx
 
 from graphopt import ir, quant_gptq, quant_plan, quantization
 from graphopt.ops.quant import GROUP_SIZES
-from graphopt.passes import _quantize_moe
+from graphopt.passes import _quantize_embedding, _quantize_moe
 from graphopt.linears import match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.quant_report import summarize_layers
@@ -62,6 +67,7 @@ from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch
 aten = torch.ops.aten
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear
 PLAN_META = "graphopt_int4_plan"  # gm.meta key, during a run only: the quantized weights planned
+_LINEAR_OPS = (torch.ops.graphopt.int4_linear.default, torch.ops.graphopt.int8_linear.default)
 
 
 @dataclass
@@ -85,6 +91,9 @@ class Int4Options:
         "help": "bits of a linear whose result is a graph output (an LM head): 4, 8, or 32 to keep it float"})
     budget: float = field(default=0.0, metadata={
         "help": "byte budget as a fraction of fp32 bytes: layers with most output error go to 8 bits while it fits"})
+    embedding_bits: int = field(default=0, metadata={
+        "help": "bits of embedding tables (graphopt.quantized_embedding, GatherBlockQuantized on ORT): "
+                "0 keeps them float, 4 or 8"})
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
@@ -107,6 +116,8 @@ class Int4Options:
             raise ValueError(f"head_bits {self.head_bits!r} is not valid; choose 4, 8 or 32 (float)")
         if not isinstance(self.budget, (int, float)) or not (self.budget == 0 or 0 < self.budget <= 1):
             raise ValueError(f"budget must be 0 (none) or a fraction of the fp32 bytes in (0, 1], got {self.budget!r}")
+        if self.embedding_bits not in (0, 4, 8):
+            raise ValueError(f"embedding_bits {self.embedding_bits!r} is not valid; choose 0 (float), 4 or 8")
 
 
 @dataclass
@@ -166,7 +177,7 @@ class QuantizeInt4(PatternPass):
         key = m.weight.target
         for node in gm.graph.nodes:
             record = node.meta.get(INT4_META)
-            if record is not None and record.get("_key") == key and node.op == "call_function":
+            if record is not None and record.get("_key") == key and node.target in _LINEAR_OPS:
                 zeros = node.args[3] if record["bits"] == 4 else None
                 return (node.args[1], node.args[2], zeros, {**record, "shared": True})
         planned = gm.meta.get(PLAN_META, {}).get(key)
@@ -191,10 +202,15 @@ class QuantizeInt4(PatternPass):
                   if n.op == "call_function" and INT4_META in n.meta and n.name not in earlier]
         experts = _quantize_moe.quantize_experts(result.gm, options, _constant, lambda name, w, q, search, key: (
             _layer_record(name, w, q, options, key, search, None)))
-        result.modified = result.modified or bool(moved or experts)
+        embeddings: list[dict[str, Any]] = []
+        if options.embedding_bits:  # after the linears: a tied table reuses its head's codes
+            embeddings, misses = _quantize_embedding.quantize_embeddings(result.gm, options, _constant, INT4_META)
+            result.near_misses.extend(misses)
+        result.modified = result.modified or bool(moved or experts or embeddings)
         if result.modified:
-            _drop_unused_attrs(result.gm, {layer["_key"] for layer in layers + experts})
-        result.stats.update(summarize(layers + experts))
+            _drop_unused_attrs(result.gm, {layer["_key"] for layer in layers + experts + embeddings})
+        result.stats.update(summarize(layers + experts + embeddings))
+        result.stats["embeddings"] = len(embeddings)
         result.stats["moe_layers"] = len(experts) // 2
         result.stats["calibration"] = calibration
         return result
