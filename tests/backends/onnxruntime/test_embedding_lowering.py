@@ -114,3 +114,21 @@ def test_a_table_tied_to_an_int8_head_is_one_initializer():
     read = onnx_quantized_bytes(model)
     assert read["shared"] == ["gm.w_codes", "gm.w_scales"]  # each read by GatherBlockQuantized and MatMulNBits
     assert read["bytes"] == q.packed.numel() + q.scales.numel() * 4 == vocab * hidden * (1 + 4 / 32)
+
+
+def test_bytes_read_count_fp16_scales_at_the_dtype_the_kernel_reads():
+    # fp16 scales of an fp32 table: GatherBlockQuantized reads them as fp32 (a Cast ORT folds).
+    module = embedding_module(50, 64, 4, dtype=torch.float32, scale_dtype="float16")
+    (out,), model = export_and_run(module, IDS)
+    assert rel_err(out, module(IDS)) < 1e-7
+    read = onnx_quantized_bytes(model)
+    assert read["bytes"] == 50 * 64 // 2 + 50 * 2 * 4 and read["shared"] == []
+
+
+def test_bytes_read_refuse_a_weight_that_is_not_an_initializer():
+    _, q = quantized_table(50, 64, 4)
+    module = Call(lambda s, codes, ids: go.quantized_embedding(codes, s.scales, ids, 4, 32, 64, torch.float32),
+                  scales=q.scales)
+    _, model = export_and_run(module, q.packed, IDS)
+    with pytest.raises(ValueError, match="GatherBlockQuantized input .* does not come from an initializer"):
+        onnx_quantized_bytes(model)
