@@ -12,12 +12,14 @@ rank, and its dtype is the output's (float32 or float16 on the CPU: no bfloat16)
 
 Why rank 3: ``[V, G, group_size * bits / 8]`` is byte for byte MatMulNBits' ``B`` for an
 [N=V, K=hidden] weight, and the same Reshape of the same codes as ``int4.py``'s. When the
-table is tied to an LM head (one set of codes in the FX graph) both ops then read one
-initializer: the export's constant folding turns both Reshapes into one tensor. The scales
-cannot be shared that way: MatMulNBits' kernel checks them to be exactly [N, G] or [N * G]
-and GatherBlockQuantized wants [V, G, 1] (same rank as data), so a tied table's scales are
-stored twice (1/8 of the 4-bit codes' bytes with fp32 scales at block 32), or, when too
-large for the exporter to fold, once behind a Reshape that ONNX Runtime folds at load.
+table is tied to an LM head (one set of codes in the FX graph), measured on this exporter:
+a table over its 8192-element folding limit (any real vocabulary) keeps one codes
+initializer, and common-subexpression elimination merges the two Reshapes into one node
+that both ops read; a smaller one is folded into two identical initializers (a copy).
+The scales cannot be one tensor for both: MatMulNBits' kernel checks them to be exactly
+[N, G] or [N * G] and GatherBlockQuantized wants the data's rank, [V, G, 1]; over the limit
+the file still holds them once, behind a Reshape that ONNX Runtime folds at load (a
+session-time copy of the scales only: 1/8 of the 8-bit codes' bytes with fp32 scales).
 
 Configurations the kernel cannot take raise UnsupportedOp with the reason, and the target
 decomposes the op into its reference (an index_select and a dequantization in standard ops).
