@@ -63,9 +63,31 @@ def dequantized_table(node):
     return emb_op(codes, scales, torch.arange(scales.shape[0]), bits, group, hidden, dtype)
 
 
+
+
 # Relative Frobenius error of a N(0, 1) table quantized by RTN at block 32: measured 0.089
 # (4 bits) and 0.0052 (8 bits).
 TABLE_ERROR = {4: 0.1, 8: 0.007}
+
+
+@pytest.mark.parametrize("bits, hidden", [(4, 64), (8, 64), (4, 72), (8, 40)])
+def test_the_reference_looks_up_rows_of_the_dequantized_table(bits, hidden):
+    from graphopt.quantization import quantize_int4, quantize_int8
+
+    table = torch.randn(30, hidden, generator=torch.Generator().manual_seed(2))
+    q = quantize_int8(table, 32, "float32") if bits == 8 else quantize_int4(table, 32, True, "float32", "rtn")
+    ids = torch.tensor([[0, 29, 4], [4, 4, 17]])
+    rows = emb_op(q.packed, q.scales, ids, bits, 32, hidden, torch.float32)
+    torch.testing.assert_close(rows, torch.nn.functional.embedding(ids, q.dequantize()), rtol=0, atol=0)
+    assert ((rows - table[ids]).norm() / table[ids].norm()).item() < TABLE_ERROR[bits]
+
+
+def test_a_table_in_the_wrong_format_fails_with_one_line():
+    codes, scales = torch.zeros(30, 32, dtype=torch.uint8), torch.ones(30, 2)
+    with pytest.raises(ValueError, match="bits must be 4 or 8, got 2"):
+        emb_op(codes, scales, torch.tensor([1]), 2, 32, 64, torch.float32)
+    with pytest.raises(ValueError, match=r"codes are \(30, 32\); .* need \(30, 64\)"):
+        emb_op(codes, scales, torch.tensor([1]), 8, 32, 64, torch.float32)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
