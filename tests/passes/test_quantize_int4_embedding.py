@@ -63,8 +63,6 @@ def dequantized_table(node):
     return emb_op(codes, scales, torch.arange(scales.shape[0]), bits, group, hidden, dtype)
 
 
-
-
 # Relative Frobenius error of a N(0, 1) table quantized by RTN at block 32: measured 0.089
 # (4 bits) and 0.0052 (8 bits).
 TABLE_ERROR = {4: 0.1, 8: 0.007}
