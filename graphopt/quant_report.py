@@ -107,8 +107,9 @@ def onnx_quantized_bytes(model: Any, path: str | None = None) -> dict[str, Any]:
     ``Model`` or graphopt's ``OnnxModel``): each initializer behind a ``MatMulNBits`` or
     ``GatherBlockQuantized`` weight input (through Reshape / Transpose / Cast, which ORT folds
     at load), counted once per dtype however many ops read it, in the dtype the op reads (a
-    Cast's output dtype). ``shared``: initializers both op types read (a tied table). ``file_bytes``: the size of the saved model at ``path`` (with its external
-    data file, if any), else None."""
+    Cast's output dtype). ``shared``: initializers both op types read (a tied table).
+    ``file_bytes``: the size of the saved model at ``path`` (with its external data file,
+    if any), else None."""
     import os
 
     import onnx_ir as ir

@@ -210,7 +210,8 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     model = Logits(tied_llama(vocab=4160))
     ids = ids_for(4160, (1, 8))
     program = export_aten_graph(model, (ids,))
-    config = Options.parse({"pipeline": PIPE, "pass_options": {"quantize_int4": {"embedding_bits": 8, "search": "rtn"}}})
+    config = Options.parse({"pipeline": PIPE,
+                            "pass_options": {"quantize_int4": {"embedding_bits": 8, "search": "rtn"}}})
     result, _ = run_pipeline(program.gm, config, None)
     summary = int4_summary(result)
     onnx_model = export_graph(result.gm, [ids], dynamic=False)
