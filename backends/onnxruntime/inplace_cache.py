@@ -264,13 +264,61 @@ def _splits_last_dim(source, target) -> bool:
     return rest_a is not None and rest_a == rest_b
 
 
+def _constant_ints(value) -> list[int] | None:
+    if value is None:
+        return None
+    tensor = value.const_value
+    node = value.producer()
+    if tensor is None and node is not None and node.op_type == "Constant" and "value" in node.attributes:
+        tensor = node.attributes["value"].value
+    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
+
+
+def _fill_shape(value) -> None:
+    """Give ``value`` its shape when a translation made it without one (an export without
+    onnxscript's rewrites infers none): a Transpose's from its input's, a Reshape's from its
+    input's and a constant target, an Identity's its input's. Input shapes are filled first."""
+    import onnx_ir as ir
+
+    if value is None or value.shape is not None or (node := value.producer()) is None or not node.inputs:
+        return
+    x = node.inputs[0]
+    _fill_shape(x)
+    if x is None or x.shape is None or node.domain != "":
+        return
+    dims = list(x.shape)
+    if node.op_type == "Identity":
+        value.shape = ir.Shape(dims)
+    elif node.op_type == "Transpose" and "perm" in node.attributes:
+        value.shape = ir.Shape([dims[i] for i in node.attributes["perm"].value])
+    elif node.op_type == "Reshape" and len(node.inputs) > 1:
+        target = _constant_ints(node.inputs[1])
+        if target is None or target.count(-1) > 1 or any(t == 0 and i >= len(dims) for i, t in enumerate(target)):
+            return
+        out = [dims[i] if t == 0 else t for i, t in enumerate(target)]
+        if -1 in target:
+            rest = [d for i, d in enumerate(dims) if not (i < len(target) and target[i] == 0)]
+            known = _static_product([t for t in target if t > 0])
+            symbols = [d for d in rest if not isinstance(d, int)]
+            static = _static_product([d for d in rest if isinstance(d, int)])
+            if not symbols and known and static % known == 0:
+                out[target.index(-1)] = static // known
+            elif len(symbols) == 1 and static == known:
+                out[target.index(-1)] = symbols[0]
+            else:
+                return
+        value.shape = ir.Shape(out)
+
+
 def _bsh_source(value, allow_rope: bool):
     """The rank-3 [B, S, C] value behind ``value`` (also [B, S, C]) through layout-only nodes:
-    Reshapes that split or merge the channels, Transpose pairs to BNSH and back, Identity, and
+    Reshapes that split or merge the channels, Transpose pairs to BNSH and back, Identity, whole
+    Slices, and
     (``allow_rope``) one RotaryEmbedding on the BNSH side. Returns (source, rope node or None,
     the values from the rope's output to ``value``), or None when the chain holds anything else."""
     from graphopt.backends.onnxruntime.translations._common import dims_equal
 
+    _fill_shape(value)
     if value.shape is None or len(value.shape) != 3:
         return None
     current, bnsh, rope, after_rope = value, False, None, [value]
@@ -278,8 +326,10 @@ def _bsh_source(value, allow_rope: bool):
         x = node.inputs[0] if node.inputs else None
         if x is None:
             return None
-        if node.op_type == "Identity" and node.domain == "":
-            pass
+        _fill_shape(x)
+        if node.domain == "" and (node.op_type == "Identity" or node.op_type == "Slice" and x.shape is not None
+                                  and x.shape == current.shape):
+            pass  # a Slice that keeps its input's shape keeps all of it
         elif node.op_type == "Reshape" and node.domain == "" and not bnsh and _splits_last_dim(x, current):
             pass
         elif node.op_type == "Transpose" and node.domain == "" and list(node.attributes["perm"].value) == _BNSH:
