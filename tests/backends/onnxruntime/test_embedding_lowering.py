@@ -132,3 +132,23 @@ def test_bytes_read_refuse_a_weight_that_is_not_an_initializer():
     _, model = export_and_run(module, q.packed, IDS)
     with pytest.raises(ValueError, match="GatherBlockQuantized input .* does not come from an initializer"):
         onnx_quantized_bytes(model)
+
+
+@pytest.mark.parametrize("embedding_bits", [0, 4])
+def test_the_option_decides_whether_onnx_gets_gather_block_quantized(embedding_bits):
+    from graphopt.backends.onnxruntime.export import export_graph
+    from graphopt.compiler import run_pipeline
+    from graphopt.frontend import export_aten_graph
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Embedding(50, 64), torch.nn.Linear(64, 40, bias=False))
+    program = export_aten_graph(module, (IDS,))
+    config = Options.parse({"pipeline": ["canonicalize", "quantize_int4"], "pass_options": {
+        "quantize_int4": {"embedding_bits": embedding_bits, "search": "rtn"}}})
+    result, _ = run_pipeline(program.gm, config, None)
+    model = export_graph(result.gm, [IDS], dynamic=False)
+    histogram = model.op_histogram()
+    assert histogram.get("com.microsoft::GatherBlockQuantized", 0) == (1 if embedding_bits else 0)
+    assert histogram.get("Gather", 0) == (0 if embedding_bits else 1)  # the fp32 table's lookup
+    (out,) = SessionRunner(create_session(model))(IDS)
+    assert rel_err(out, result.gm(IDS)[0]) < 2e-2  # MatMulNBits' int8 activations
