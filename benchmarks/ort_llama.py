@@ -210,10 +210,11 @@ def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: 
         v.decode_ms.extend(result.ms_per_token)
 
 
-def profile_summary(session, path: str) -> tuple[float, list[tuple[str, float]]]:
-    """Kernel time of an ORT profile (ms) and the share of the top op types, MatMulNBits split
-    by shape and bits (an LM head apart from the layers). An If's own event is left out: its
-    time is its branch's nodes', which the profile lists too."""
+def profile_summary(session, path: str) -> tuple[float, list[tuple[str, float]], collections.Counter]:
+    """Kernel time of an ORT profile (ms), the share of the top op types, MatMulNBits split
+    by shape and bits (an LM head apart from the layers), and how many nodes of each op type ran
+    (``model_run``: how many runs).
+    An If's own event is left out: its time is its branch's nodes', which the profile lists too."""
     import onnx
 
     def nodes(graph):
@@ -232,12 +233,16 @@ def profile_summary(session, path: str) -> tuple[float, list[tuple[str, float]]]
     with open(trace) as f:
         events = json.load(f)
     totals: collections.Counter = collections.Counter()
+    runs: collections.Counter = collections.Counter()
     for e in events:
         if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["args"].get("op_name") != "If":
             node = e["name"][: -len("_kernel_time")]
             totals[labels.get(node, e["args"].get("op_name", "?"))] += e.get("dur", 0)
+            runs[e["args"].get("op_name", "?")] += 1
+        elif e.get("cat") == "Session" and e.get("name") == "model_run":
+            runs["model_run"] += 1
     whole = sum(totals.values()) or 1
-    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(10)]
+    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(10)], runs
 
 
 def main() -> None:
@@ -343,9 +348,13 @@ def run(folder: Path) -> None:
             profiled = ort_variant(v.name, *v.paths, args.threads, 0.0, profile_dir=str(folder))
             generate(profiled, prompt, args.new_tokens)
             for session, path, tag in zip(profiled.sessions, v.paths, ("prefill", f"{args.new_tokens} decode steps")):
-                total_ms, top = profile_summary(session, path)
+                total_ms, top, runs = profile_summary(session, path)
                 shares = ", ".join(f"{op} {share:.0f}%" for op, share in top)
-                Console(width=200).print(f"[bold]{v.name}[/] {tag}: {total_ms:.0f} ms in kernels: {shares}")
+                calls = max(runs.pop("model_run", 0), 1)
+                other = sum(n for op, n in runs.items() if op != "MatMulNBits") / calls
+                Console(width=200).print(f"[bold]{v.name}[/] {tag}: {total_ms:.0f} ms in kernels, "
+                                         f"{sum(runs.values()) / calls:.0f} nodes per run ({other:.0f} not MatMulNBits): "
+                                         f"{shares}")
 
 
 def _inductor(model, prompt, new_tokens, start) -> Variant:
