@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import graphopt.compiler
 from graphopt import ir
 from tests.helpers import aten_graph, assert_matches_eager, compile_with_graphopt, count, eager, run_pass
 
@@ -40,20 +39,6 @@ SPELLINGS = {
     "geglu_tanh": (GatedMlp("tanh"), "graphopt.geglu"),
     "gate_bias_only": (GatedMlp(gate_bias=True), "graphopt.swiglu"),
 }
-
-
-@pytest.fixture
-def final_graph(monkeypatch):
-    """Holds the optimized graph the eager target receives (graphs[-1] after a compile)."""
-    graphs = []
-    lower = graphopt.compiler.lower
-
-    def keep(gm, *args, **kwargs):
-        graphs.append(gm)
-        return lower(gm, *args, **kwargs)
-
-    monkeypatch.setattr(graphopt.compiler, "lower", keep)
-    return graphs
 
 
 def gemms(report_or_counts) -> int:

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphopt
-import graphopt.compiler
 from graphopt import ir, models
 from graphopt.errors import OptionsError
 from graphopt.pipeline import build_pass_manager
@@ -25,20 +24,6 @@ int8_op = torch.ops.graphopt.int8_linear.default
 def quantized(report) -> int:
     """Linears the pass rewrote: 4-bit ones and the LM head's 8 bits (head_bits=8)."""
     return count(report, "graphopt.int4_linear") + count(report, "graphopt.int8_linear")
-
-
-@pytest.fixture
-def final_graph(monkeypatch):
-    """Holds the optimized graph the eager target receives (graphs[-1] after a compile)."""
-    graphs = []
-    lower = graphopt.compiler.lower
-
-    def keep(gm, *args, **kwargs):
-        graphs.append(gm)
-        return lower(gm, *args, **kwargs)
-
-    monkeypatch.setattr(graphopt.compiler, "lower", keep)
-    return graphs
 
 
 class Mlp(nn.Module):

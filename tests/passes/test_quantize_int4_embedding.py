@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import graphopt.compiler
+import graphopt
 from graphopt import ir
 from graphopt.errors import OptionsError
 from graphopt.pipeline import build_pass_manager
@@ -19,19 +19,6 @@ from tests.helpers import compile_with_graphopt, eager
 PIPE = ["canonicalize", "quantize_int4"]
 emb_op = torch.ops.graphopt.quantized_embedding.default
 int8_op = torch.ops.graphopt.int8_linear.default
-
-
-@pytest.fixture
-def final_graph(monkeypatch):
-    graphs = []
-    lower = graphopt.compiler.lower
-
-    def keep(gm, *args, **kwargs):
-        graphs.append(gm)
-        return lower(gm, *args, **kwargs)
-
-    monkeypatch.setattr(graphopt.compiler, "lower", keep)
-    return graphs
 
 
 class EmbedThenProject(nn.Module):
