@@ -101,7 +101,7 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
     """
     from graphopt import ir
-    from graphopt.backends.onnxruntime.inplace_cache import tidy_attention_layout
+    from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout
 
     prefill_path, step_path = tool.check_destination(path, force), tool.check_destination(decode_path(path), force)
     config = tool.pipeline_options(config, int4)

@@ -1,4 +1,4 @@
-"""inplace_cache.tidy_attention_layout: attention's layout round trips leave the exported decoder,
+"""attention_layout.tidy_attention_layout: attention's layout round trips leave the exported decoder,
 its outputs unchanged."""
 
 from collections import Counter
@@ -13,9 +13,9 @@ import onnx_ir as ir  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime import inplace_cache  # noqa: E402
+from graphopt.backends.onnxruntime import attention_layout, inplace_cache  # noqa: E402
 from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache  # noqa: E402
-from graphopt.backends.onnxruntime.inplace_cache import tidy_attention_layout  # noqa: E402
+from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout  # noqa: E402
 from graphopt.backends.onnxruntime.session import create_session  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 
@@ -38,7 +38,7 @@ def _random_feeds(session_bytes: bytes, batch: int = 3, length: int = 6) -> dict
 def tidied_pair(tmp_path_factory):
     """llama-tiny's prefill/decode pair, with each model as it was before the tidy-up."""
     before = []
-    real = inplace_cache.tidy_attention_layout
+    real = attention_layout.tidy_attention_layout
 
     def keep(model):
         before.append(ir.to_proto(model).SerializeToString())
@@ -48,7 +48,7 @@ def tidied_pair(tmp_path_factory):
     path = tmp_path_factory.mktemp("pair") / "model.onnx"
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(inplace_cache, "tidy_attention_layout", keep)
+        patch.setattr(attention_layout, "tidy_attention_layout", keep)
         result = export_kv_cache(model, prompt, path, config=Options())
     return before, path, result
 
