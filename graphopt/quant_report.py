@@ -102,6 +102,19 @@ _QUANTIZED_INPUTS = {"MatMulNBits": (1, 2, 3), "GatherBlockQuantized": (0, 2, 3)
 _FOLDED_AT_LOAD = ("Reshape", "Transpose", "Cast")  # ONNX Runtime folds these of a constant when it loads
 
 
+def constant_behind(value: Any) -> Any:
+    """The initializer ``value`` is, or is a Reshape / Transpose / Cast of (ORT folds those at
+    load, so the op reads a constant); else None."""
+    while value is not None:
+        if value.const_value is not None:
+            return value
+        producer = value.producer()
+        if producer is None or producer.op_type not in _FOLDED_AT_LOAD or not producer.inputs:
+            return None
+        value = producer.inputs[0]
+    return None
+
+
 def onnx_quantized_bytes(model: Any, path: str | None = None) -> dict[str, Any]:
     """What ONNX Runtime reads for the quantized weights of an exported model (an onnx_ir
     ``Model`` or graphopt's ``OnnxModel``): each initializer behind a ``MatMulNBits`` or
@@ -121,11 +134,9 @@ def onnx_quantized_bytes(model: Any, path: str | None = None) -> dict[str, Any]:
         for index in _QUANTIZED_INPUTS.get(node.op_type, ()):
             if index >= len(node.inputs) or node.inputs[index] is None:
                 continue
-            value = source = node.inputs[index]
-            while source.const_value is None and source.producer() is not None \
-                    and source.producer().op_type in _FOLDED_AT_LOAD:
-                source = source.producer().inputs[0]
-            if source.const_value is None:
+            value = node.inputs[index]
+            source = constant_behind(value)
+            if source is None:
                 raise ValueError(f"{node.op_type} input {value.name} does not come from an initializer")
             dtype = value.dtype or source.dtype  # one Cast target: one folded copy, whoever reads it
             read[f"{source.name}:{dtype.name}"] = int(source.const_value.size * dtype.itemsize)

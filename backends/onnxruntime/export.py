@@ -64,32 +64,34 @@ class OnnxModel:
         return sum(v.const_value.nbytes for v in self.model.graph.initializers.values() if v.const_value is not None)
 
     def int4_weights(self) -> dict | None:
-        """What MatMulNBits made of the linear weights (None when there are none):
-        ``{"matmulnbits", "bytes", "fp32_bytes", "ratio", "float_matmuls"}``, ``bytes`` being
-        the initializers the MatMulNBits nodes read (packed codes, scales, zero points) and
-        ``float_matmuls`` the MatMul / Gemm nodes still reading a constant weight. Bytes are
-        counted in the dtype each MatMulNBits input has, not its initializer's: ORT folds a
-        Cast of a constant at load (fp16 scales behind a Cast are read as fp32)."""
+        """What MatMulNBits / GatherBlockQuantized made of the weights (None when there are
+        none): ``{"matmulnbits", "embeddings", "bytes", "fp32_bytes", "ratio", "float_matmuls"}``.
+        ``bytes`` is what ONNX Runtime reads of their initializers, in the dtype each op reads
+        (``quant_report.onnx_quantized_bytes``: fp16 scales behind a Cast are read as fp32),
+        a tied table's codes once; ``fp32_bytes`` the same weights in fp32 (a table padded to
+        whole blocks, and not again when it is the head's); ``float_matmuls`` the MatMul /
+        Gemm nodes still reading a constant weight."""
         import onnx_ir as ir
+
+        from graphopt.quant_report import constant_behind, onnx_quantized_bytes
 
         nodes = list(ir.traversal.RecursiveGraphIterator(self.model.graph))  # an If's branches too (int4.py)
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]
-        if not quantized:
+        tables = [n for n in nodes if n.op_type == "GatherBlockQuantized"]
+        if not quantized and not tables:
             return None
-        constants: dict[str, int] = {}
-        fp32_bytes = 0
-        for node in quantized:
-            attrs = {name: attr.value for name, attr in node.attributes.items()}
-            fp32_bytes += attrs["K"] * attrs["N"] * 4
-            for value in node.inputs[1:4]:
-                source = _constant_behind(value)
-                if source is not None:
-                    constants[source.name] = int(source.const_value.size * (value.dtype or source.dtype).itemsize)
+        fp32_bytes = sum(n.attributes["K"].value * n.attributes["N"].value * 4 for n in quantized)
+        heads = {constant_behind(n.inputs[1]).name for n in quantized}
+        for node in tables:
+            codes = constant_behind(node.inputs[0])
+            if codes.name not in heads:  # a tied table's fp32 weight is the head's, counted above
+                bits = node.attributes["bits"].value if "bits" in node.attributes else 4
+                fp32_bytes += codes.const_value.size * 8 // bits * 4
+        stored = onnx_quantized_bytes(self.model)["bytes"]
         float_matmuls = sum(1 for n in nodes if n.op_type in ("MatMul", "Gemm") and len(n.inputs) > 1
-                            and _constant_behind(n.inputs[1]) is not None)
-        stored = sum(constants.values())
-        return {"matmulnbits": len(quantized), "bytes": stored, "fp32_bytes": fp32_bytes,
-                "ratio": stored / fp32_bytes, "float_matmuls": float_matmuls}
+                            and constant_behind(n.inputs[1]) is not None)
+        return {"matmulnbits": len(quantized), "embeddings": len(tables), "bytes": stored,
+                "fp32_bytes": fp32_bytes, "ratio": stored / fp32_bytes, "float_matmuls": float_matmuls}
 
     def is_large(self) -> bool:
         return self.initializer_bytes() > LARGE_MODEL_BYTES
@@ -115,18 +117,6 @@ class OnnxModel:
             return [path, os.path.join(os.path.dirname(path), data)]
         ir.save(self.model, path)
         return [path]
-
-
-def _constant_behind(value):
-    """The initializer ``value`` is, or is a Reshape / Transpose / Cast of; else None."""
-    while value is not None:
-        if value.const_value is not None:
-            return value
-        producer = value.producer()
-        if producer is None or producer.op_type not in ("Reshape", "Transpose", "Cast") or not producer.inputs:
-            return None
-        value = producer.inputs[0]
-    return None
 
 
 class _TensorsOnly(torch.nn.Module):

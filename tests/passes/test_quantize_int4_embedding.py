@@ -211,5 +211,10 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     read = onnx_quantized_bytes(onnx_model, path)
     assert len(read["shared"]) == 2  # the head's codes and scales, read by both ops
     assert read["bytes"] == summary["weight_bytes_after"]
+    # The export tool's figure (graphopt export's int4 line) counts the table too, and its
+    # fp32 weight once: it is the head's.
+    weights = onnx_model.int4_weights()
+    assert weights["bytes"] == read["bytes"] and weights["embeddings"] == 1
+    assert weights["fp32_bytes"] == summary["weight_bytes_before"]
     # No float copy of the table is left: the file is the quantized bytes plus small tensors.
     assert read["file_bytes"] < read["bytes"] + 4160 * 64
