@@ -59,7 +59,7 @@ def quantize_embeddings(gm: fx.GraphModule, options: Any, constant: Callable[...
         table = ir.get_constant(table_node)
         key, bits, hidden = table_node.target, options.embedding_bits, table.shape[1]
         if key not in done:
-            head = _tied_head(gm, key, bits, options.group_size, record_key)
+            head = quantized_linear_of(gm, key, record_key)
             with gm.graph.inserting_before(node):
                 done[key], records[key] = _quantize(gm, table_node, table, head, options, constant, record_key)
         codes, scales = done[key]
@@ -99,9 +99,10 @@ def _refusal(table_node: Any, options: Any) -> str | None:
     return None
 
 
-def _tied_head(gm: fx.GraphModule, key: str, bits: int, group_size: int, record_key: str) -> fx.Node | None:
-    """The quantized linear reading the same table (a tied LM head), or None; ``bits`` in
-    its record says whether its codes can serve the embedding too."""
+def quantized_linear_of(gm: fx.GraphModule, key: str, record_key: str) -> fx.Node | None:
+    """The int4/int8 linear this pass made of the constant ``key`` (a second GEMM reading the
+    weight, or a tied LM head reading the table), or None; ``bits`` in its record says
+    whether its codes can serve another reader."""
     for node in gm.graph.nodes:
         record = node.meta.get(record_key)
         if node.op == "call_function" and node.target in LINEARS and record and record.get("_key") == key:

@@ -67,7 +67,6 @@ from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch
 aten = torch.ops.aten
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear
 PLAN_META = "graphopt_int4_plan"  # gm.meta key, during a run only: the quantized weights planned
-_LINEAR_OPS = (torch.ops.graphopt.int4_linear.default, torch.ops.graphopt.int8_linear.default)
 
 
 @dataclass
@@ -175,11 +174,11 @@ class QuantizeInt4(PatternPass):
         """get_attr nodes of the quantized weight; a weight already quantized in this graph
         (a second GEMM reading it) reuses that node's constants."""
         key = m.weight.target
-        for node in gm.graph.nodes:
-            record = node.meta.get(INT4_META)
-            if record is not None and record.get("_key") == key and node.target in _LINEAR_OPS:
-                zeros = node.args[3] if record["bits"] == 4 else None
-                return (node.args[1], node.args[2], zeros, {**record, "shared": True})
+        node = _quantize_embedding.quantized_linear_of(gm, key, INT4_META)
+        if node is not None:
+            record = node.meta[INT4_META]
+            zeros = node.args[3] if record["bits"] == 4 else None
+            return (node.args[1], node.args[2], zeros, {**record, "shared": True})
         planned = gm.meta.get(PLAN_META, {}).get(key)
         if planned is None:  # a graph the planner did not see (a direct call of rewrite)
             planned = _plan_one(m, options, None, 4)
