@@ -14,12 +14,14 @@ from static shapes:
   as its ``attention_bias`` input (ORT's CPU kernel caps the scores before adding the bias,
   as the reference does: checked in tests/backends/onnxruntime/test_attention_softcap.py).
   This is how Gemma2's masked layers (causal and sliding-window masks alike) keep their cap.
-- Hq == Hkv, no softcap, and either a mask (not causal) or no mask with causality
-  irrelevant (not causal, or Sq == 1): ``com.microsoft.MultiHeadAttention`` with q as
-  [B, Sq, H*D] and k/v in their BNSH layout; a mask becomes an additive ``attention_bias``
-  expanded to [.., .., Sq, Skv] (ORT does not broadcast its query axis). MultiHeadAttention
-  has no softcap attribute, so a capped attention never takes this route.
-- anything else (GQA heads with a mask or a query shorter than the keys, Dv != D,
+- no softcap, Dv == D, and either a mask (not causal) or no mask with causality irrelevant
+  (not causal, or Sq == 1) and Hq == Hkv: ``com.microsoft.MultiHeadAttention`` with q as
+  [B, Sq, H*D] and k/v in their BNSH layout, grouped k/v heads expanded to the query heads
+  first (MHA has no kv_num_heads; the model's own repeat_kv did the same before the fusion);
+  a mask becomes an additive ``attention_bias`` expanded to [.., .., Sq, Skv] (ORT does not
+  broadcast its query axis). MultiHeadAttention has no softcap attribute, so a capped
+  attention never takes this route.
+- anything else (GQA heads without a mask and a query shorter than the keys, Dv != D,
   causal chunks, a capped attention GQA cannot take): MatMul / Softmax / MatMul in float32
   with k/v heads expanded and Tanh for the cap, the same formula as the reference op.
 
@@ -101,8 +103,13 @@ def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = 
         return out
     if softcap > 0.0:  # MultiHeadAttention has no softcap attribute
         return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv, softcap)
-    if hq == hkv and d == dv and (mask is None and (not is_causal or one_query) or mask is not None and not is_causal):
+    masked = mask is not None and not is_causal
+    unmasked_mha = mask is None and hq == hkv and (not is_causal or one_query)
+    if d == dv and (masked or unmasked_mha):
+        # Grouped heads with a mask: MultiHeadAttention over k/v expanded to the query heads,
+        # the repeat the model itself wrote before fuse_attention absorbed it.
         bias = _additive_bias(mask, q, k) if mask is not None else None
+        k, v = _expand_heads(k, hq, hkv), _expand_heads(v, hq, hkv)
         out, _, _, _ = ms.MultiHeadAttention(_to_bsh(q), k, v, None, None, bias, num_heads=hq, scale=scale)
         return _from_bsh(out, hq, dv)
     return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv)

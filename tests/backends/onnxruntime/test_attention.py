@@ -57,11 +57,19 @@ def test_additive_mask_broadcast_from_2d_is_multi_head_attention():
           randn(B, HQ, S, D), randn(B, HQ, S + 2, D), randn(B, HQ, S + 2, D), randn(S, S + 2), op=MHA)
 
 
-@pytest.mark.parametrize("case", ["causal chunk", "grouped heads with mask", "value head size differs"])
+def test_grouped_heads_with_a_mask_are_multi_head_attention_over_expanded_kv():
+    """A sliding-window model (Mistral) masks its grouped-head attention: MultiHeadAttention
+    has no kv_num_heads, so k/v are expanded to the query heads, as repeat_kv did."""
+    mask = randn(B, 1, S, S + 3) > -1.0
+    check(lambda q, k, v, m: go.attention(q, k, v, m, None, False),
+          randn(B, HQ, S, D), randn(B, HKV, S + 3, D), randn(B, HKV, S + 3, D), mask, op=MHA)
+
+
+@pytest.mark.parametrize("case", ["causal chunk", "causal grouped heads with mask", "value head size differs"])
 def test_other_shapes_use_standard_ops(case):
     q, k, v, mask, causal = randn(B, HQ, S, D), randn(B, HKV, S + 3, D), randn(B, HKV, S + 3, D), None, True
-    if case == "grouped heads with mask":
-        mask, causal = randn(B, 1, S, S + 3) > -1.0, False
+    if case == "causal grouped heads with mask":
+        mask = randn(B, 1, S, S + 3) > -1.0
     if case == "value head size differs":
         k, v = randn(B, HKV, S, D), randn(B, HKV, S, 8)
     check(lambda q, k, v: go.attention(q, k, v, mask, None, causal), q, k, v, op=None)
