@@ -1,10 +1,12 @@
-"""Drop identity ops: ``alias(x)``, ``view(x, x.shape)``, ``x * 1``, ``x / 1``, ``x + 0``,
-``x - 0``, a cast to x's own dtype  ->  ``x``.
+"""Drop identity ops: ``alias(x)``, ``view(x, x.shape)``, ``x[:]`` (a slice from 0 with step 1
+that keeps the size), ``x * 1``, ``x / 1``, ``x + 0``, ``x - 0``, a cast to x's own dtype  ->  ``x``.
 
 Why: models write these (Hugging Face scales rotary cos/sin by an ``attention_scaling``
 of 1.0, adds 0 to position offsets; a DTensor layer views each projection's input to its
-own shape, so q, k and v read three views and merge_qkv sees three inputs) and each one
-splits a pattern a fusion pass looks for. Precondition: the op must not change dtype,
+own shape, so q, k and v read three views and merge_qkv sees three inputs; ``x[:, :, None]``
+slices the batch axis whole, which the tracer drops only when the batch is a static size) and
+each one splits a pattern a fusion pass looks for, or makes a dynamic graph differ from its
+static twin. Precondition: the op must not change dtype,
 shape or device, and its value must not be a graph output (returning an input would make
 an output alias it).
 """
@@ -32,8 +34,8 @@ def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
 
 class Canonicalize(PatternPass):
     name = "canonicalize"
-    summary = "drop identity ops (alias, same-shape views, x*1, x+0, same-dtype casts) that split patterns"
-    anchors = (aten.alias.default, aten.view.default, aten._to_copy.default, *IDENTITY_OPERAND)
+    summary = "drop identity ops (alias, same-shape views and whole slices, x*1, x+0, same-dtype casts) that split patterns"
+    anchors = (aten.alias.default, aten.view.default, aten.slice.Tensor, aten._to_copy.default, *IDENTITY_OPERAND)
     record_near_misses = False
 
     def match(self, node: fx.Node, options) -> fx.Node:
@@ -41,6 +43,12 @@ class Canonicalize(PatternPass):
         source = node.args[0]
         if node.target in (aten.alias.default, aten.view.default):
             pass  # a view is an identity only when the shape check below holds
+        elif node.target is aten.slice.Tensor:
+            start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", 0)
+            step = node.args[4] if len(node.args) > 4 else node.kwargs.get("step", 1)
+            # type() first: comparing a SymInt start would add a shape guard
+            expect((start is None or type(start) is int and start == 0) and type(step) is int and step == 1,
+                   "slice does not start at 0 with step 1")
         elif node.target is aten._to_copy.default:
             expect(is_cast(node), "cast changes more than the dtype")
         else:

@@ -3,6 +3,8 @@
 import torch
 from torch import nn
 
+import graphopt
+
 from tests.helpers import assert_matches_eager, compile_with_graphopt, count, eager
 
 
@@ -79,3 +81,27 @@ def test_sizes_are_compared_without_guards_even_when_data_dependent():
     assert not _same_value_shape(na, nb)  # maybe equal at run time: not an identity
     assert _same_value_shape(na, na2)
     assert not env.guards
+
+
+class Slices(nn.Module):
+    """``x[:, None]`` slices the first axis whole; the others change the value."""
+
+    def forward(self, x):
+        whole = torch.sin(x[:, None])
+        return whole, torch.cos(x[1:]), torch.tanh(x[::2]), torch.exp(x[:, :2])
+
+
+def test_removes_whole_slices_of_a_dynamic_axis_and_keeps_the_others():
+    """A static trace drops ``x[:]`` itself, a dynamic one keeps it (the end is sys.maxsize,
+    not the size): dropped here, the dynamic graph is the static graph with sizes as symbols."""
+    x = torch.randn(6, 4)
+    torch._dynamo.reset()
+    graphopt.reset()
+    compiled = torch.compile(Slices(), backend="graphopt", dynamic=True, fullgraph=True,
+                             options={"target": "eager", "fallback": "error", "pipeline": ["canonicalize"]})
+    with torch.no_grad():
+        out = compiled(x)
+    (report,) = graphopt.reports()
+    assert report.passes[0].matches == 2  # x[:, None] and x[:, :2] each slice axis 0 whole
+    assert count(report, "aten.slice") == 3  # x[1:], x[::2], x[:, :2]
+    assert_matches_eager(out, eager(Slices(), x), rel=0)

@@ -77,6 +77,22 @@ def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions
     assert graphopt.reports()[1].to_dict()["recompile_reason"] in line
 
 
+def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessions_run, exported):
+    """Dynamo's third graph (batch fixed at 1 after a dynamic batch) is the dynamic graph with
+    s0 = 1: it is served by that graph's session, with a note and no build (reuse.py)."""
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model)
+    calls = ((2, 5), (4, 7), (1, 9), (1, 6))
+    for batch, seq in calls:
+        run_checked(compiled, model, batch, seq)
+    reports = graphopt.reports()
+    assert len(reports) == 3 and len(builds()) == 2 and len(exported) == 2
+    assert not reports[2].builds
+    (note,) = [n for n in reports[2].notes if "no export" in n]
+    assert "= 1" in note
+    assert len(set(map(id, sessions_run[1:]))) == 1  # calls 2-4: the dynamic graph's session
+
+
 def test_dynamic_true_exports_once_with_a_complete_build_record():
     model = models.build("llama-tiny")
     compiled = compile_fresh(model, dynamic=True)
