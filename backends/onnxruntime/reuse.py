@@ -21,12 +21,6 @@ llama-small) and a second copy of the weights in memory.
 
 Anything that does not match exports as usual; a match records a note in the report, not a
 build. Entries live as long as the compiled callable that owns the session.
-
-Not yet firing on llama: dynamo's dynamic trace keeps ``x[:, :, None]``'s whole slice of the
-batch axis (its end is sys.maxsize, not a size), which the batch-1 trace drops, and the
-layout simplifications then differ too. Dropping whole slices in canonicalize made the two
-graphs match but cost Mistral its attention fusion, so it was taken back; until the graphs
-agree, that third graph is exported.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ run's input sizes. Only where that cannot work (a SymInt that is no input axis's
 export that fails with dynamic axes) does the graph fall back to one static model per input
 signature (``_PerSignature``, up to ``MAX_SPECIALIZATIONS``), with a warning and a note.
 Every export + session is a build in the graph's report. A later graph that is a dynamic
-graph's instance (``s0 = 1``, proved node by node) runs on that graph's session, with no
-build and a note (``reuse.py``; dynamo's batch-of-1 recompile of a Llama is not one yet).
+graph's instance (dynamo's batch-of-1 recompile: ``s0 = 1``) runs on that graph's session,
+with no build and a note (``reuse.py``).
 """
 
 from __future__ import annotations
