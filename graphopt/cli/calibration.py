@@ -4,7 +4,8 @@ what INT4 calibrates on, turned into ``quantize_int4``'s options.
 The text is read as UTF-8 and tokenized with the model's own tokenizer (graphopt/cli/tokenizers.py:
 a .gguf file, or a checkpoint directory with tokenizer.json); its first N token ids become
 ``Int4Options.calibration``, so GPTQ feeds its errors with the activations of real text instead
-of the 32 example token ids. ``--int4-budget`` is ``Int4Options.budget``. Both travel the same
+of the 32 example token ids. ``--int4-budget`` is ``Int4Options.budget`` and ``--embedding-bits``
+``Int4Options.embedding_bits``. All travel the same
 path as ``--option pass_options=...`` (they override its ``quantize_int4`` entries), and the
 export's summary repeats the pass's own line on what it calibrated on.
 """
@@ -61,23 +62,29 @@ def token_ids(model: str, path: str, tokens: int) -> tuple[list[int], dict[str, 
     return used, {"text": str(path), "tokens": len(used), "text_tokens": len(ids)}
 
 
-def with_int4_options(config: Options, calibration: list[int] | None, budget: float | None) -> Options:
-    """``config`` with ``pass_options["quantize_int4"]`` carrying ``calibration`` and ``budget``
-    (those given), over what ``--option pass_options=...`` set; checked by Int4Options itself."""
-    if not calibration and budget is None:
-        return config
+def with_int4_options(config: Options, calibration: list[int] | None, budget: float | None,
+                      embedding_bits: int | None = None) -> Options:
+    """``config`` with ``pass_options["quantize_int4"]`` carrying ``calibration``, ``budget`` and
+    ``embedding_bits`` (those given), over what ``--option pass_options=...`` set; checked by
+    Int4Options itself."""
     mine: dict[str, Any] = {}
     if calibration:
         mine["calibration"] = list(calibration)
     if budget is not None:
         mine["budget"] = float(budget)
+    if embedding_bits is not None:
+        mine["embedding_bits"] = int(embedding_bits)
+    if not mine:
+        return config
     from graphopt.passes.quantize_int4 import Int4Options
 
     merged = {**config.pass_options.get(PASS_NAME, {}), **mine}
     try:
         Int4Options(**merged)
     except (TypeError, ValueError) as exc:
-        flag = "--int4-budget" if "budget" in str(exc) and budget is not None else "quantize_int4 options"
+        flag = ("--int4-budget" if "budget" in str(exc) and budget is not None else
+                "--embedding-bits" if "embedding_bits" in str(exc) and embedding_bits is not None else
+                "quantize_int4 options")
         raise GraphoptError(f"{flag}: {exc}") from None
     return config.replace(pass_options={**config.pass_options, PASS_NAME: merged})
 

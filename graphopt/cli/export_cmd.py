@@ -39,6 +39,9 @@ def export(
     int4_budget: float = typer.Option(None, "--int4-budget", metavar="F", help=(
         "with --int4: the quantized weights may take up to F times their fp32 bytes; the layers whose 4-bit "
         "error costs most move to 8 bits while it fits (4 bits alone take about 0.16; e.g. 0.2)")),
+    embedding_bits: int = typer.Option(None, "--embedding-bits", metavar="B", help=(
+        "with --int4: store the embedding table at B bits (4 or 8) as GatherBlockQuantized; a table tied to "
+        "the LM head at the head's bits reads the head's codes (stored once). 0 (default) keeps it float")),
     kv_cache: bool = typer.Option(False, "--kv-cache", help="export prefill + decode-step models with KV-cache inputs/outputs"),
     opset: int = typer.Option(DEFAULT_OPSET, "--opset", help=f"ONNX opset of the model: {MIN_OPSET} up to the "
                               "newest the installed onnx package knows"),
@@ -56,7 +59,8 @@ def export(
     Prints the error against eager and top-1 agreement, the op histogram (ORT fused ops
     counted), INT4 weight bytes and what INT4 calibrated on, file sizes and the time of each
     stage. --int4 calibrates GPTQ on the example token ids unless --calibration-text gives a real
-    text (better scales on a trained model); --int4-budget spends bytes on 8-bit layers. Writes into a temporary
+    text (better scales on a trained model); --int4-budget spends bytes on 8-bit layers;
+    --embedding-bits quantizes the embedding table too. Writes into a temporary
     folder and moves the files into place only once ONNX Runtime agrees with eager, so an
     interrupted or failed export leaves no file behind; never overwrites without --force. --kv-cache takes graphopt's Llama and Hugging Face causal LMs
     (no padding: the models take no attention mask).
@@ -82,10 +86,11 @@ def export(
     config = parse_options(option)
     int4 = int4 or config.int4  # --option int4=true is --int4: the same pass, the same validation
     tool.check_destination(output, force)
-    calibrated = _check_int4_flags(int4, kv_cache, calibration_text, calibration_tokens, int4_budget)
+    calibrated = _check_int4_flags(int4, kv_cache, calibration_text, calibration_tokens, int4_budget,
+                                   embedding_bits)
     ids, calibration_source = (calibration.token_ids(model, calibration_text, calibration_tokens)
                                if calibrated else (None, None))
-    config = calibration.with_int4_options(config, ids, int4_budget)
+    config = calibration.with_int4_options(config, ids, int4_budget, embedding_bits)
     if kv_cache:
         tool.check_destination(generate.decode_path(output), force)
         tool.pipeline_options(config, int4)  # fail on --int4 before loading anything
@@ -106,6 +111,7 @@ def export(
             data = {"model": loaded.name, **result.to_dict()}
             if int4:
                 data["int4_calibration"] = {"source": calibration_source, "budget": int4_budget,
+                                            "embedding_bits": embedding_bits or 0,
                                             "pass": calibration.calibration_lines(data)}
             failed = _failures(data, config.tolerance, int4)
             _publish(data, Path(output).parent, move=not failed)
@@ -119,10 +125,12 @@ def export(
         raise typer.Exit(1)
 
 
-def _check_int4_flags(int4: bool, kv_cache: bool, text: str | None, tokens: int, budget: float | None) -> bool:
+def _check_int4_flags(int4: bool, kv_cache: bool, text: str | None, tokens: int, budget: float | None,
+                      embedding_bits: int | None = None) -> bool:
     """Whether to calibrate on a text; one clear error for a flag that cannot apply."""
-    if not int4 and (text is not None or budget is not None):
-        flag = "--calibration-text" if text is not None else "--int4-budget"
+    given = {"--calibration-text": text, "--int4-budget": budget, "--embedding-bits": embedding_bits}
+    flag = next((name for name, value in given.items() if value is not None), None)
+    if not int4 and flag:
         raise GraphoptError(f"{flag} tunes INT4 quantization: add --int4")
     if text is not None and kv_cache:
         raise GraphoptError("--calibration-text calibrates a single-graph export: drop --kv-cache (the decode "

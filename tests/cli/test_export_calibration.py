@@ -120,6 +120,8 @@ def test_a_model_without_a_tokenizer_is_one_error_line_naming_the_fix(tmp_path, 
     (["--int4-budget", "0.2"], "add --int4"),
     (["--int4", "--int4-budget", "1.5"], "--int4-budget: budget must be"),
     (["--int4", "--calibration-tokens", "64"], "add --calibration-text FILE"),
+    (["--embedding-bits", "8"], "add --int4"),
+    (["--int4", "--embedding-bits", "3"], "--embedding-bits: embedding_bits 3 is not valid; choose 0"),
 ])
 def test_a_flag_that_cannot_apply_is_one_error_line(args, fix, tmp_path, capsys, monkeypatch):
     lines = error_lines(["llama-tiny", *args], tmp_path, capsys, monkeypatch)
@@ -129,7 +131,7 @@ def test_a_flag_that_cannot_apply_is_one_error_line(args, fix, tmp_path, capsys,
 
 def test_the_help_teaches_the_flags():
     out = CliRunner().invoke(app, ["export", "--help"], terminal_width=200).stdout
-    for flag in ("--calibration-text", "--calibration-tokens", "--int4-budget"):
+    for flag in ("--calibration-text", "--calibration-tokens", "--int4-budget", "--embedding-bits"):
         assert flag in out
     assert "tokenizer" in out and "8 bits" in out
 
@@ -143,3 +145,18 @@ def test_a_config_json_finds_the_tokenizer_of_its_checkpoint(checkpoint, tmp_pat
     (tmp_path / "config.json").write_text((checkpoint / "config.json").read_text())
     with pytest.raises(ModelLoadError, match="has no tokenizer"):  # a config alone has none
         load_tokenizer(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize("bits", [0, 8])
+def test_embedding_bits_quantizes_the_table_and_the_bytes_count_it(bits, tmp_path):
+    """--embedding-bits 8: the file's embedding is a GatherBlockQuantized and the INT4 byte
+    count includes it; 0 keeps the float Gather (the default)."""
+    result = CliRunner().invoke(app, ["export", "llama-tiny", "-o", str(tmp_path / "q.onnx"), "--int4",
+                                      "--embedding-bits", str(bits), "--json"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    data = json.loads(result.stdout)
+    assert data["ok"] and data["int4_calibration"]["embedding_bits"] == bits
+    (model,) = data["files"]
+    gathers = model["fused_ops"].get("com.microsoft::GatherBlockQuantized", 0)
+    assert gathers == (1 if bits else 0), model["fused_ops"]
+    assert model["int4"]["embeddings"] == gathers
