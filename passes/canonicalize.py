@@ -34,7 +34,7 @@ def _same_value_shape(a: fx.Node, b: fx.Node) -> bool:
 
 class Canonicalize(PatternPass):
     name = "canonicalize"
-    summary = "drop identity ops (alias, same-shape views and whole slices, x*1, x+0, same-dtype casts) that split patterns"
+    summary = "drop identity ops (alias, same-shape views, whole slices, x*1, x+0, same-dtype casts)"
     anchors = (aten.alias.default, aten.view.default, aten.slice.Tensor, aten._to_copy.default, *IDENTITY_OPERAND)
     record_near_misses = False
 
