@@ -8,6 +8,7 @@ gated-MLP, QKV-merge and INT4 passes share one notion of "a linear against a con
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -139,10 +140,46 @@ def _common_prefix(words: list[str]) -> str:
     return out
 
 
+# cat(parts) made for an earlier graph, by where the parts live: a recompile of the same model
+# (dynamo's graph for a new shape) merges the same weights again, and without this each graph
+# would keep its own copy (224 MB of q/k/v and gate/up weights on llama-small).
+_concatenated: dict[tuple, weakref.ref] = {}
+
+
+def _parts_key(parts: list[torch.Tensor]) -> tuple:
+    return tuple((p.device, p.dtype, p.data_ptr(), tuple(p.shape), p.stride()) for p in parts)
+
+
+def _earlier_concat(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """The tensor an earlier graph made of these same parts, if it is alive and still equals
+    them (a freed part's address may hold other values now: compared, never assumed)."""
+    ref = _concatenated.get(_parts_key(parts))
+    made = ref() if ref is not None else None
+    if made is None:
+        return None
+    rows = [p.shape[0] for p in parts]
+    if made.shape[0] != sum(rows) or not all(torch.equal(m, p) for m, p in zip(made.split(rows), parts)):
+        return None
+    return made
+
+
+def _remember_concat(parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
+    for dead in [key for key, ref in _concatenated.items() if ref() is None]:
+        del _concatenated[dead]
+    _concatenated[_parts_key(parts)] = weakref.ref(tensor)
+
+
 def concat_constant(gm: fx.GraphModule, parts: list[torch.Tensor], name: str) -> fx.Node:
-    """A new frozen constant ``cat(parts, 0)`` named after the parameter it stands for."""
+    """A frozen constant ``cat(parts, 0)`` named after the parameter it stands for; the same
+    tensor as an earlier graph's when that graph concatenated the same, unchanged parts."""
     with torch.no_grad():
-        tensor = torch.cat([p.detach() for p in parts], 0).contiguous()
+        parts = [p.detach() for p in parts]
+        shareable = all(p.device.type != "meta" for p in parts)  # a meta tensor has no address
+        tensor = _earlier_concat(parts) if shareable else None
+        if tensor is None:
+            tensor = torch.cat(parts, 0).contiguous()
+            if shareable:
+                _remember_concat(parts, tensor)
     node = ir.add_constant(gm, "w_" + name.replace(".", "_"), tensor)
     node.meta[ir.PARAM_NAME] = name
     return node
