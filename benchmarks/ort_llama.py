@@ -1,7 +1,8 @@
 """Prefill latency and decode ms/token of a Llama on the CPU: eager, Inductor, ONNX Runtime
 three ways in fp32 (plain torch.onnx.export, the same after ORT's transformer optimizer,
 graphopt) and two ways in INT4 (ORT's own recipe: the optimizer, then MatMulNBitsQuantizer;
-graphopt's export with --int4).
+graphopt's export with --int4), and graphopt.generate's own onnxruntime decoder (one model
+whose attentions write the KV cache in place; fp32 with --generate-fp32, INT4 by default).
 
     python benchmarks/ort_llama.py                      # llama-small, 128-token prompt, 64 new tokens
     python benchmarks/ort_llama.py --model llama-tiny --repeat 2 --profile
@@ -17,8 +18,9 @@ one), the logits' error against eager and the share of prompt positions whose to
 equals eager's, and whether the generated tokens equal eager's (INT4 is not expected to).
 "weight MB/token" is what one decode step reads (embedding tables left out: a step gathers
 one row); the floor rows divide it by the read bandwidth measured in the same run, the
-fastest any runtime could decode. ORT and torch get the same number of threads. ``--profile`` adds ORT's per-op-type time
-for the ORT variants (SessionOptions.enable_profiling), to see where each one spends time.
+fastest any runtime could decode. ORT and torch get the same number of threads. ``--profile`` adds a table of
+ORT's kernel ms per decode step by op kind for the ORT variants (SessionOptions.enable_profiling;
+ort_profile.py), the weight GEMMs by layer kind (qkv, o, gate/up, down, head) and bits.
 A script, not a test: it takes minutes and asserts nothing.
 """
 
@@ -36,8 +38,6 @@ if os.environ.get("OMP_WAIT_POLICY"):
     print(f"note: OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} from the environment", flush=True)
 
 import argparse  # noqa: E402
-import collections  # noqa: E402
-import json  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -132,7 +132,17 @@ def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, s
     variant = Variant(name, prefill, decode, setup_s, [prefill_session, decode_session])
     variant.paths = (prefill_path, decode_path_)
     variant.weight_bytes = onnx_decode_bytes(decode_path_)
+    variant.profiled = lambda directory: ort_variant(name, prefill_path, decode_path_, threads, 0.0, directory)
     return variant
+
+
+def inplace_variant(name: str, model, example, config: Options, threads: int, folder: Path, start: float,
+                    unfolded: bool = False) -> Variant:
+    """graphopt.generate's onnxruntime decoder (generate_variant.py); ``unfolded``: its rotary left
+    as RotaryEmbedding nodes before attention (as before attention_layout.fold_rotary_into_attention)."""
+    from generate_variant import in_place
+
+    return in_place(Variant, name, model, example, config, threads, folder, start, unfolded=unfolded)
 
 
 def export_plain(model, example, folder: Path) -> tuple[str, str]:
@@ -210,41 +220,6 @@ def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: 
         v.decode_ms.extend(result.ms_per_token)
 
 
-def profile_summary(session, path: str) -> tuple[float, list[tuple[str, float]], collections.Counter]:
-    """Kernel time of an ORT profile (ms), the share of the top op types, MatMulNBits split
-    by shape and bits (an LM head apart from the layers), and how many nodes of each op type ran
-    (``model_run``: how many runs).
-    An If's own event is left out: its time is its branch's nodes', which the profile lists too."""
-    import onnx
-
-    def nodes(graph):
-        for node in graph.node:
-            yield node
-            for attr in node.attribute:
-                yield from (nodes(attr.g) if attr.HasField("g") else ())
-
-    model = onnx.load(path, load_external_data=False)
-    labels = {}
-    for node in nodes(model.graph):
-        if node.op_type == "MatMulNBits":
-            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-            labels[node.name] = f"MatMulNBits {attrs['K']}x{attrs['N']} {attrs['bits']}-bit"
-    trace = session.end_profiling()
-    with open(trace) as f:
-        events = json.load(f)
-    totals: collections.Counter = collections.Counter()
-    runs: collections.Counter = collections.Counter()
-    for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and e["args"].get("op_name") != "If":
-            node = e["name"][: -len("_kernel_time")]
-            totals[labels.get(node, e["args"].get("op_name", "?"))] += e.get("dur", 0)
-            runs[e["args"].get("op_name", "?")] += 1
-        elif e.get("cat") == "Session" and e.get("name") == "model_run":
-            runs["model_run"] += 1
-    whole = sum(totals.values()) or 1
-    return whole / 1e3, [(op, 100.0 * t / whole) for op, t in totals.most_common(10)], runs
-
-
 def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="graphopt-bench-"))
     try:
@@ -262,7 +237,7 @@ def run(folder: Path) -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", action="append", default=[],
                         help="leave a variant out: inductor, plain, ortopt, graphopt, ortint4, graphoptint4, "
-                             "int4 (both INT4 ones); eager is always run")
+                             "generate (graphopt.generate's in-place decoder), int4 (all INT4 ones); eager always runs")
     parser.add_argument("--group-size", type=int, default=32, help="INT4 block size, the same for both INT4 variants")
     parser.add_argument("--int4-search", default="gptq", choices=["gptq", "rtn"],
                         help="graphopt's INT4 scale search; rtn exports in a fraction of the time and gives the "
@@ -270,10 +245,20 @@ def run(folder: Path) -> None:
     parser.add_argument("--head-rows", action="store_true",
                         help="add graphopt INT4 with its 8-bit head as MatMulNBits at every row count (the lowering "
                              "before the per-row-count choice), to compare prefill in the same run")
-    parser.add_argument("--profile", action="store_true", help="print ORT's per-op-type time for the ORT variants")
+    parser.add_argument("--generate-head-bits", type=int, action="append",
+                        help="graphopt.generate's in-place INT4 decoder with this LM head bits (repeatable; "
+                             "8 unless given)")
+    parser.add_argument("--generate-fp32", action="store_true", help="also graphopt.generate's fp32 decoder")
+    parser.add_argument("--generate-unfolded", action="store_true",
+                        help="also the INT4 decoder with RotaryEmbedding nodes and unpacked q/k/v (as before "
+                             "attention_layout.fold_rotary_into_attention), 8-bit head")
+    parser.add_argument("--profile-rounds", type=int, default=3, help="profiled generations per variant")
+    parser.add_argument("--profile", action="store_true",
+                        help="print ORT's kernel ms per decode step by op kind for the ORT variants")
     args = parser.parse_args()
     if "int4" in args.skip:
-        args.skip += ["ortint4", "graphoptint4"]
+        args.skip += ["ortint4", "graphoptint4", "generate"]
+    args.generate_head_bits = args.generate_head_bits or [8]
     torch.set_num_threads(args.threads)
 
     model = models.build(args.model)
@@ -327,6 +312,17 @@ def run(folder: Path) -> None:
             *quantize_with_ort(optimized, args.group_size, folder), args.threads, time.perf_counter() - start))
     setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size})", "graphopt_int4.onnx",
                                            int4=True))
+    if args.generate_fp32:
+        setup("generate", lambda start: inplace_variant("graphopt.generate fp32", model, example, Options(),
+                                                        args.threads, folder, start))
+    int4_decoders = [(bits, False) for bits in args.generate_head_bits] + [(8, True)] * args.generate_unfolded
+    for head_bits, unfolded in int4_decoders:
+        unfolded_note = ", rotary unfolded" if unfolded else ""
+        setup("generate", lambda start: inplace_variant(
+            f"graphopt.generate INT4 (g{args.group_size}, head {head_bits}-bit{unfolded_note})",
+            model, example, Options(int4=True, pass_options={"quantize_int4": {
+                "group_size": args.group_size, "search": args.int4_search, "head_bits": head_bits}}),
+            args.threads, folder, start, unfolded))
     if args.head_rows:
         setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size}), 8-bit head MatMulNBits "
                                                "at every row count", "graphopt_int4_nbits_head.onnx", int4=True,
@@ -341,20 +337,11 @@ def run(folder: Path) -> None:
         console.print(f"measuring {r + 1}/{args.repeat} ...")
         measure_lockstep(variants, prompt, args.new_tokens, reverse=r % 2 == 1)
     print_table(args, variants, results, bandwidth)
-    if args.profile:  # separate sessions: profiling slows every node down a little
-        for v in variants:
-            if not v.sessions:
-                continue
-            profiled = ort_variant(v.name, *v.paths, args.threads, 0.0, profile_dir=str(folder))
-            generate(profiled, prompt, args.new_tokens)
-            for session, path, tag in zip(profiled.sessions, v.paths, ("prefill", f"{args.new_tokens} decode steps")):
-                total_ms, top, runs = profile_summary(session, path)
-                shares = ", ".join(f"{op} {share:.0f}%" for op, share in top)
-                calls = max(runs.pop("model_run", 0), 1)
-                other = sum(n for op, n in runs.items() if op != "MatMulNBits") / calls
-                Console(width=200).print(f"[bold]{v.name}[/] {tag}: {total_ms:.0f} ms in kernels, "
-                                         f"{sum(runs.values()) / calls:.0f} nodes per run ({other:.0f} not MatMulNBits): "
-                                         f"{shares}")
+    if args.profile:
+        from ort_profile import print_profiles
+
+        print_profiles(variants, lambda v: generate(v, prompt, args.new_tokens), args.new_tokens, model.config,
+                       str(folder), args.profile_rounds)
 
 
 def _inductor(model, prompt, new_tokens, start) -> Variant:
@@ -378,7 +365,8 @@ def print_table(args, variants: list[Variant], results: dict, bandwidth: float) 
     for v in variants:
         prefill, decode = statistics.median(v.prefill_ms), statistics.median(v.decode_ms)
         logits, tokens = results[v.name]
-        metrics = logits_metrics(logits, ref_logits)
+        # graphopt.generate's decoder returns the prompt's last position only
+        metrics = logits_metrics(logits, ref_logits[:, ref_logits.shape[1] - logits.shape[1]:])
         err, top1 = metrics["rel_error"], metrics["top1_agreement"]
         table.add_row(v.name, f"{prefill:.1f}", f"{prefill / eager_prefill:.2f}", f"{min(v.prefill_ms):.1f}",
                       f"{decode:.2f}", f"{decode / eager_decode:.2f}", f"{v.weight_bytes / 2**20:.1f}", f"{err:.1e}",

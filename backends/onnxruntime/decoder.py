@@ -70,6 +70,10 @@ class InPlaceSession:
         self.dtype = _ORT_DTYPES[inputs[self.cache_names[0]].type]
         vocab = session.get_outputs()[0].shape[-1]
         self.vocab = vocab if isinstance(vocab, int) else None
+        from graphopt.backends.onnxruntime.inplace_cache import ROTARY_POSITIONS
+
+        rows = session.get_modelmeta().custom_metadata_map.get(ROTARY_POSITIONS)
+        self.max_positions = int(rows) if rows else None  # GroupQueryAttention's cos/sin cache rows
         self.cache: list[Tensor] = []
         self.binding = None
 
@@ -98,6 +102,9 @@ class InPlaceSession:
                  total: int) -> Tensor:
         import onnxruntime
 
+        if self.max_positions is not None and total > self.max_positions:
+            raise GraphoptError(f"a sequence of {total} tokens is longer than the {self.max_positions} positions "
+                                "this model's rotary embedding was made for")
         feeds = {"input_ids": input_ids.long().contiguous().numpy(), "position_ids": position_ids.contiguous().numpy(),
                  "last": last.contiguous().numpy(), "seqlens_k": seqlens_k.to(torch.int32).contiguous().numpy(),
                  "total_sequence_length": torch.tensor(total, dtype=torch.int32).numpy()}

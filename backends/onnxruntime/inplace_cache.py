@@ -24,6 +24,13 @@ inputs, the graph's ``seqlens_k`` / ``total_sequence_length`` and present output
 of the keys and values the pass returned. Exporting the decode form instead would need a
 ``cat(past, new)`` in the traced graph, which transformers' mask code and GQA's
 batch-1-for-chunks rule keep from lowering for a batch of prompts.
+
+Rotary: after the layout tidy-up, each layer's q/k RotaryEmbeddings move into its
+GroupQueryAttention (``attention_layout.fold_rotary_into_attention``: do_rotary with cos/sin
+caches of the model's ``max_position_embeddings`` rows, read at ``position_ids``), which also
+takes the fused QKV projection packed. The caches end there, so the model records their
+length (metadata ``graphopt.rotary_positions``) and ``decoder.InPlaceSession`` refuses a
+longer sequence instead of reading past them.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ from graphopt.backends.onnxruntime import attention_layout
 from graphopt.errors import GraphoptError
 
 MS_DOMAIN = "com.microsoft"
+# Metadata key: the rows of the cos/sin caches GroupQueryAttention rotates with, when it does;
+# the decoder refuses a sequence longer than that (decoder.InPlaceSession).
+ROTARY_POSITIONS = "graphopt.rotary_positions"
 
 
 class DecoderStep(nn.Module):
@@ -185,6 +195,16 @@ def share_cache(model) -> int:
     return len(kv) // 2
 
 
+def max_positions(model: nn.Module) -> int | None:
+    """The longest sequence ``model`` was made for (its rotary tables' length), when it says."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def cache_names(layers: int, prefix: str) -> list[str]:
     return [f"{prefix}_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
 
@@ -222,6 +242,11 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
                                   output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite)
         share_cache(onnx_model.model)
         attention_layout.tidy_attention_layout(onnx_model.model)
+        positions = max_positions(model)
+        if positions:  # rotary inside GroupQueryAttention: its cos/sin cache needs a row per position
+            folded = attention_layout.fold_rotary_into_attention(onnx_model.model, positions)
+            if folded["rotary"]:
+                onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
     graph = onnx_model.model.graph
     onnx_model.input_names = [v.name for v in graph.inputs]
     onnx_model.output_names = [v.name for v in graph.outputs]

@@ -140,12 +140,14 @@ def test_a_shape_of_a_size_no_input_names_stays():
     assert shape.inputs[0].name == "z"
 
 
-def test_the_in_place_decoder_reads_attention_inputs_without_layout_round_trips():
+def test_the_in_place_decoder_reads_attention_inputs_without_layout_round_trips(monkeypatch):
     """export_decoder skips onnxscript's rewrites, so its layout nodes carry no shapes and its
     Transposes come in pairs; the tidy-up fills the shapes and removes them all the same.
-    (test_inplace_cache.py checks this decoder's tokens against eager.)"""
+    (test_inplace_cache.py checks this decoder's tokens against eager; the rotary fold that
+    follows the tidy-up is test_attention_layout_rotary.py's.)"""
     model = models.build("llama-tiny", seed=0).eval()
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(attention_layout, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
     decoder, _ = inplace_cache.export_decoder(model, prompt, Options())
     ops = Counter(n.op_type for n in decoder.model.graph)
     assert ops["Transpose"] == 0 and ops["GroupQueryAttention"] == 2

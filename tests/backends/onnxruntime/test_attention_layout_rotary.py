@@ -1,0 +1,119 @@
+"""attention_layout.fold_rotary_into_attention: the in-place decoder's RotaryEmbeddings move into
+GroupQueryAttention (do_rotary with position-indexed cos/sin caches) and q/k/v reach it packed;
+the tokens stay eager's, and a table that is not a function of each position alone is left."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from tests.backends.onnxruntime import _helpers  # noqa: F401  (skips without onnxruntime)
+
+import onnx_ir as ir  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+from graphopt import models  # noqa: E402
+from graphopt.backends.onnxruntime import attention_layout, inplace_cache  # noqa: E402
+from graphopt.backends.onnxruntime.decoder import OrtRunner  # noqa: E402
+from graphopt.config import Options  # noqa: E402
+from graphopt.errors import GraphoptError  # noqa: E402
+from graphopt.generation import Sampler, drive, eager_generate  # noqa: E402
+
+PROMPT = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return models.build("llama-tiny", seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def folded(tiny):
+    """The in-place decoder, and the same export without the fold."""
+    model, _ = inplace_cache.export_decoder(tiny, PROMPT, Options())
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_layout, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
+        plain, _ = inplace_cache.export_decoder(tiny, PROMPT, Options())
+    return model, plain
+
+
+def test_attention_rotates_packed_qkv_itself(tiny, folded):
+    model, plain = folded
+    ops, before = Counter(n.op_type for n in model.model.graph), Counter(n.op_type for n in plain.model.graph)
+    assert before["RotaryEmbedding"] == 4 and ops["RotaryEmbedding"] == 0
+    assert ops["Cos"] == ops["Sin"] == 0  # the per-step table computation went with them
+    assert sum(ops.values()) < sum(before.values()) - 8
+    cos = model.model.graph.initializers["rotary_cos_cache"].const_value.numpy()
+    head = tiny.config.hidden_size // tiny.config.num_heads
+    assert cos.shape == (tiny.config.max_seq_len, head // 2)
+    freqs = 1.0 / tiny.config.rope_theta ** (torch.arange(0, head, 2).double() / head)
+    np.testing.assert_allclose(cos, torch.cos(torch.arange(cos.shape[0]).double()[:, None] * freqs).numpy(),
+                               atol=2e-3)  # fp32 angles of positions up to max_seq_len
+    for node in model.model.graph:
+        if node.op_type == "GroupQueryAttention":
+            assert node.attributes["do_rotary"].value == 1
+            assert node.inputs[1] is None and node.inputs[2] is None  # q, k, v packed in the query
+            assert [x.name for x in node.inputs[7:10]] == ["rotary_cos_cache", "rotary_sin_cache", "position_ids"]
+    assert model.model.metadata_props[inplace_cache.ROTARY_POSITIONS] == str(tiny.config.max_seq_len)
+
+
+def test_padded_batch_tokens_equal_eager_with_the_fold(tiny, folded):
+    prompts = [[5, 9, 11, 4, 7, 20, 3], [8, 12], [6, 10, 14, 15]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    runner = OrtRunner.from_decoder(folded[0].to_bytes(), max_length=8)  # the buffer doubles on the way
+    out = drive([runner], ids, mask, 10, [Sampler()])[0]
+    assert [out.token_ids(i) for i in range(3)] == [eager_generate(tiny, torch.tensor([p]), 10).token_ids(0)
+                                                    for p in prompts]
+
+
+def test_runner_refuses_a_sequence_past_the_rotary_cache(tiny, folded):
+    runner = OrtRunner.from_decoder(folded[0].to_bytes(), max_length=300)  # a buffer longer than the table
+    assert runner.decoder.max_positions == tiny.config.max_seq_len
+    runner.prefill(PROMPT, None)
+    runner.lengths = torch.full((2,), tiny.config.max_seq_len)  # as if 256 tokens had been decoded
+    with pytest.raises(GraphoptError, match="longer than the 256 positions"):
+        runner.step(torch.tensor([[1], [2]]), tiny.config.max_seq_len)
+
+
+def _table_model(scaled_by_longest: bool) -> tuple[ir.Model, tuple]:
+    """position_ids [B, S] -> cos/sin tables [B*S, 4] of angle pos * f (or pos * f / max(pos))."""
+    freqs = helper.make_tensor("freqs", TensorProto.FLOAT, [1, 4], [1.0, 0.5, 0.25, 0.125])
+    nodes = [helper.make_node("Cast", ["position_ids"], ["pos"], to=TensorProto.FLOAT),
+             helper.make_node("Reshape", ["pos", "column"], ["pos_col"])]
+    if scaled_by_longest:  # a table that reads every position: dynamic-NTK-like scaling
+        nodes += [helper.make_node("ReduceMax", ["pos"], ["longest"], keepdims=0),
+                  helper.make_node("Div", ["pos_col", "longest"], ["scaled"])]
+    nodes += [helper.make_node("MatMul", ["scaled" if scaled_by_longest else "pos_col", "freqs"], ["angle"]),
+              helper.make_node("Cos", ["angle"], ["cos"]), helper.make_node("Sin", ["angle"], ["sin"])]
+    column = helper.make_tensor("column", TensorProto.INT64, [2], [-1, 1])
+    graph = helper.make_graph(nodes, "tables",
+                              [helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("cos", "sin")],
+                              [freqs, column])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    values = {v.name: v for node in model.graph for v in node.outputs}
+    return model, (values["cos"], values["sin"])
+
+
+def test_tables_are_read_per_absolute_position():
+    model, tables = _table_model(scaled_by_longest=False)
+    (cos, sin), reason = attention_layout._rotary_tables(model, tables, 16)
+    assert reason is None and cos.shape == (16, 4)
+    angle = np.arange(16)[:, None] * np.array([1.0, 0.5, 0.25, 0.125])
+    np.testing.assert_allclose(cos, np.cos(angle), atol=1e-6)
+    np.testing.assert_allclose(sin, np.sin(angle), atol=1e-6)
+
+
+def test_skips_a_table_that_depends_on_more_than_the_position():
+    model, tables = _table_model(scaled_by_longest=True)
+    found, reason = attention_layout._rotary_tables(model, tables, 16)
+    assert found == [] and reason == "a position's rotary row depends on more than its position"
+
+
+def test_skips_without_rotary_embeddings_before_attention():
+    model, _ = _table_model(scaled_by_longest=False)
+    stats = attention_layout.fold_rotary_into_attention(model, 16)
+    assert stats == {"rotary": 0, "packed": 0, "skipped": "no GroupQueryAttention reads RotaryEmbeddings alone"}
