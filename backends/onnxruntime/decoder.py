@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -76,6 +77,7 @@ class InPlaceSession:
         self.max_positions = int(rows) if rows else None  # GroupQueryAttention's cos/sin cache rows
         self.cache: list[Tensor] = []
         self.binding = None
+        self._bound_shape: tuple | None = None
 
     @property
     def capacity(self) -> int:
@@ -93,6 +95,7 @@ class InPlaceSession:
         import onnxruntime
 
         self.binding = self.session.io_binding()
+        self._bound_shape = None  # a new binding: the feeds are bound again on the next call
         self._values = [onnxruntime.OrtValue.ortvalue_from_numpy(t.numpy()) for t in self.cache]  # views, no copy
         for name, value in zip(self.cache_names, self._values):
             self.binding.bind_ortvalue_input(name, value)
@@ -100,24 +103,41 @@ class InPlaceSession:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, last: Tensor, seqlens_k: Tensor,
                  total: int) -> Tensor:
-        import onnxruntime
-
         if self.max_positions is not None and total > self.max_positions:
             raise GraphoptError(f"a sequence of {total} tokens is longer than the {self.max_positions} positions "
                                 "this model's rotary embedding was made for")
-        feeds = {"input_ids": input_ids.long().contiguous().numpy(), "position_ids": position_ids.contiguous().numpy(),
-                 "last": last.contiguous().numpy(), "seqlens_k": seqlens_k.to(torch.int32).contiguous().numpy(),
-                 "total_sequence_length": torch.tensor(total, dtype=torch.int32).numpy()}
-        for name, array in feeds.items():
-            self.binding.bind_cpu_input(name, array)
-        if self.vocab is not None:
-            logits = torch.empty(input_ids.shape[0], self.vocab, dtype=self.dtype)
-            self.binding.bind_ortvalue_output("logits", onnxruntime.OrtValue.ortvalue_from_numpy(logits.numpy()))
-            self.session.run_with_iobinding(self.binding)
-            return logits
-        self.binding.bind_output("logits", "cpu")
+        feeds = self._bound_feeds(*input_ids.shape)
+        for name, value in (("input_ids", input_ids), ("position_ids", position_ids), ("last", last),
+                            ("seqlens_k", seqlens_k)):
+            np.copyto(feeds[name], value.cpu().numpy(), casting="unsafe")
+        feeds["total_sequence_length"][...] = total
+        if self.vocab is None:
+            self.binding.bind_output("logits", "cpu")
         self.session.run_with_iobinding(self.binding)
-        return torch.from_numpy(self.binding.get_outputs()[0].numpy())
+        if self.vocab is None:
+            return torch.from_numpy(self.binding.get_outputs()[0].numpy())
+        return self._logits.clone()  # the buffer is the next call's output
+
+    def _bound_feeds(self, batch: int, length: int) -> dict:
+        """Input buffers of this shape (and the logits'), bound once until the shape or the
+        binding changes: each step then writes its few numbers into them instead of binding
+        five new inputs and an output (llama-small INT4, steps in lockstep: 7.21 -> 7.08 ms)."""
+        import onnxruntime
+
+        if self._bound_shape == (batch, length):
+            return self._feeds
+        self._feeds = {"input_ids": np.zeros((batch, length), np.int64),
+                       "position_ids": np.zeros((batch, length), np.int64), "last": np.zeros(batch, np.int64),
+                       "seqlens_k": np.zeros(batch, np.int32), "total_sequence_length": np.zeros((), np.int32)}
+        self._feed_values = [onnxruntime.OrtValue.ortvalue_from_numpy(a) for a in self._feeds.values()]  # views
+        for name, value in zip(self._feeds, self._feed_values):
+            self.binding.bind_ortvalue_input(name, value)
+        if self.vocab is not None:
+            self._logits = torch.empty(batch, self.vocab, dtype=self.dtype)
+            self._feed_values.append(onnxruntime.OrtValue.ortvalue_from_numpy(self._logits.numpy()))
+            self.binding.bind_ortvalue_output("logits", self._feed_values[-1])
+        self._bound_shape = (batch, length)
+        return self._feeds
 
 
 def right_padded(input_ids: Tensor, lengths: Tensor) -> Tensor:
