@@ -324,6 +324,8 @@ def fold_rotary_into_attention(model, positions: int) -> dict[str, int | str]:
                 for r in ropes}
         if len(interleaved) != 1 or dims - {0, head_size} or tables[0].shape[1] * 2 != head_size:
             continue  # partial rotary, or the two ropes differ: leave them
+        if head_size % 16:
+            continue  # ORT's CPU GroupQueryAttention refuses do_rotary unless head_size is a multiple of 16
         for index, rope in enumerate(ropes):
             node.replace_input_with(index, rope.inputs[0])
             graph.remove(rope, safe=True)  # its output had this one use: q and k keep one reader each

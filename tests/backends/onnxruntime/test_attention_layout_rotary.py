@@ -117,3 +117,22 @@ def test_skips_without_rotary_embeddings_before_attention():
     model, _ = _table_model(scaled_by_longest=False)
     stats = attention_layout.fold_rotary_into_attention(model, 16)
     assert stats == {"rotary": 0, "packed": 0, "skipped": "no GroupQueryAttention reads RotaryEmbeddings alone"}
+
+
+def test_heads_of_8_keep_their_rotary_embeddings_and_decode():
+    """ORT's CPU GroupQueryAttention refuses do_rotary for a head size that is no multiple of
+    16 ("head_size shall be a multiple of 16"): such a model keeps its RotaryEmbedding nodes,
+    and its tokens stay eager's."""
+    from graphopt.models import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                         intermediate_size=64, max_seq_len=64)).eval()
+    exported, _ = inplace_cache.export_decoder(model, PROMPT, Options())
+    ops = Counter(n.op_type for n in exported.model.graph)
+    assert ops["RotaryEmbedding"] == 4 and ops["GroupQueryAttention"] == 2
+    assert all("do_rotary" not in n.attributes for n in exported.model.graph if n.op_type == "GroupQueryAttention")
+    runner = OrtRunner.from_decoder(exported.to_bytes(), max_length=16)
+    out = drive([runner], PROMPT, None, 6, [Sampler()])[0]
+    want = eager_generate(model, PROMPT, 6)
+    assert [out.token_ids(i) for i in range(2)] == [want.token_ids(i) for i in range(2)]
