@@ -49,11 +49,11 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
 
 @contextlib.contextmanager
 def _fold_off():
-    from graphopt.backends.onnxruntime import attention_layout
+    from graphopt.backends.onnxruntime import rotary_fold
 
-    real = attention_layout.fold_rotary_into_attention
-    attention_layout.fold_rotary_into_attention = lambda model, positions: {"rotary": 0}
+    real = rotary_fold.fold_rotary_into_attention
+    rotary_fold.fold_rotary_into_attention = lambda model, positions: {"rotary": 0}
     try:
         yield
     finally:
-        attention_layout.fold_rotary_into_attention = real
+        rotary_fold.fold_rotary_into_attention = real

@@ -139,7 +139,7 @@ def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, s
 def inplace_variant(name: str, model, example, config: Options, threads: int, folder: Path, start: float,
                     unfolded: bool = False) -> Variant:
     """graphopt.generate's onnxruntime decoder (generate_variant.py); ``unfolded``: its rotary left
-    as RotaryEmbedding nodes before attention (as before attention_layout.fold_rotary_into_attention)."""
+    as RotaryEmbedding nodes before attention (as before rotary_fold.fold_rotary_into_attention)."""
     from generate_variant import in_place
 
     return in_place(Variant, name, model, example, config, threads, folder, start, unfolded=unfolded)
@@ -251,7 +251,7 @@ def run(folder: Path) -> None:
     parser.add_argument("--generate-fp32", action="store_true", help="also graphopt.generate's fp32 decoder")
     parser.add_argument("--generate-unfolded", action="store_true",
                         help="also the INT4 decoder with RotaryEmbedding nodes and unpacked q/k/v (as before "
-                             "attention_layout.fold_rotary_into_attention), 8-bit head")
+                             "rotary_fold.fold_rotary_into_attention), 8-bit head")
     parser.add_argument("--profile-rounds", type=int, default=3, help="profiled generations per variant")
     parser.add_argument("--profile", action="store_true",
                         help="print ORT's kernel ms per decode step by op kind for the ORT variants")

@@ -26,7 +26,7 @@ of the keys and values the pass returned. Exporting the decode form instead woul
 batch-1-for-chunks rule keep from lowering for a batch of prompts.
 
 Rotary: after the layout tidy-up, each layer's q/k RotaryEmbeddings move into its
-GroupQueryAttention (``attention_layout.fold_rotary_into_attention``: do_rotary with cos/sin
+GroupQueryAttention (``rotary_fold.fold_rotary_into_attention``: do_rotary with cos/sin
 caches of the model's ``max_position_embeddings`` rows, read at ``position_ids``), which also
 takes the fused QKV projection packed. The caches end there, so the model records their
 length (metadata ``graphopt.rotary_positions``) and ``decoder.InPlaceSession`` refuses a
@@ -41,7 +41,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from graphopt.backends.onnxruntime import attention_layout
+from graphopt.backends.onnxruntime import attention_layout, rotary_fold
 from graphopt.errors import GraphoptError
 
 MS_DOMAIN = "com.microsoft"
@@ -244,7 +244,7 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
         attention_layout.tidy_attention_layout(onnx_model.model)
         positions = max_positions(model)
         if positions:  # rotary inside GroupQueryAttention: its cos/sin cache needs a row per position
-            folded = attention_layout.fold_rotary_into_attention(onnx_model.model, positions)
+            folded = rotary_fold.fold_rotary_into_attention(onnx_model.model, positions)
             if folded["rotary"]:
                 onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
     graph = onnx_model.model.graph

@@ -13,7 +13,7 @@ import onnx_ir as ir  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime import attention_layout, inplace_cache  # noqa: E402
+from graphopt.backends.onnxruntime import attention_layout, inplace_cache, rotary_fold  # noqa: E402
 from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout  # noqa: E402
 from graphopt.backends.onnxruntime.session import create_session  # noqa: E402
@@ -144,10 +144,10 @@ def test_the_in_place_decoder_reads_attention_inputs_without_layout_round_trips(
     """export_decoder skips onnxscript's rewrites, so its layout nodes carry no shapes and its
     Transposes come in pairs; the tidy-up fills the shapes and removes them all the same.
     (test_inplace_cache.py checks this decoder's tokens against eager; the rotary fold that
-    follows the tidy-up is test_attention_layout_rotary.py's.)"""
+    follows the tidy-up is test_rotary_fold.py's.)"""
     model = models.build("llama-tiny", seed=0).eval()
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(attention_layout, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
+    monkeypatch.setattr(rotary_fold, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
     decoder, _ = inplace_cache.export_decoder(model, prompt, Options())
     ops = Counter(n.op_type for n in decoder.model.graph)
     assert ops["Transpose"] == 0 and ops["GroupQueryAttention"] == 2

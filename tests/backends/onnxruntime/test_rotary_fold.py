@@ -1,4 +1,4 @@
-"""attention_layout.fold_rotary_into_attention: the in-place decoder's RotaryEmbeddings move into
+"""rotary_fold.fold_rotary_into_attention: the in-place decoder's RotaryEmbeddings move into
 GroupQueryAttention (do_rotary with position-indexed cos/sin caches) and q/k/v reach it packed;
 the tokens stay eager's, and a table that is not a function of each position alone is left."""
 
@@ -14,7 +14,7 @@ import onnx_ir as ir  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime import attention_layout, inplace_cache  # noqa: E402
+from graphopt.backends.onnxruntime import inplace_cache, rotary_fold  # noqa: E402
 from graphopt.backends.onnxruntime.decoder import OrtRunner  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 from graphopt.errors import GraphoptError  # noqa: E402
@@ -33,7 +33,7 @@ def folded(tiny):
     """The in-place decoder, and the same export without the fold."""
     model, _ = inplace_cache.export_decoder(tiny, PROMPT, Options())
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_layout, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
+        patch.setattr(rotary_fold, "fold_rotary_into_attention", lambda model, positions: {"rotary": 0})
         plain, _ = inplace_cache.export_decoder(tiny, PROMPT, Options())
     return model, plain
 
@@ -100,7 +100,7 @@ def _table_model(scaled_by_longest: bool) -> tuple[ir.Model, tuple]:
 
 def test_tables_are_read_per_absolute_position():
     model, tables = _table_model(scaled_by_longest=False)
-    (cos, sin), reason = attention_layout._rotary_tables(model, tables, 16)
+    (cos, sin), reason = rotary_fold._rotary_tables(model, tables, 16)
     assert reason is None and cos.shape == (16, 4)
     angle = np.arange(16)[:, None] * np.array([1.0, 0.5, 0.25, 0.125])
     np.testing.assert_allclose(cos, np.cos(angle), atol=1e-6)
@@ -109,13 +109,13 @@ def test_tables_are_read_per_absolute_position():
 
 def test_skips_a_table_that_depends_on_more_than_the_position():
     model, tables = _table_model(scaled_by_longest=True)
-    found, reason = attention_layout._rotary_tables(model, tables, 16)
+    found, reason = rotary_fold._rotary_tables(model, tables, 16)
     assert found == [] and reason == "a position's rotary row depends on more than its position"
 
 
 def test_skips_without_rotary_embeddings_before_attention():
     model, _ = _table_model(scaled_by_longest=False)
-    stats = attention_layout.fold_rotary_into_attention(model, 16)
+    stats = rotary_fold.fold_rotary_into_attention(model, 16)
     assert stats == {"rotary": 0, "packed": 0, "skipped": "no GroupQueryAttention reads RotaryEmbeddings alone"}
 
 
