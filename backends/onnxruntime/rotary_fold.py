@@ -92,11 +92,14 @@ def fold_rotary_into_attention(model, positions: int) -> dict[str, int | str]:
             continue  # the rotated key is also returned or read elsewhere
         if len(node.inputs) > 7 and any(x is not None for x in node.inputs[7:]):
             continue
-        found.append((node, ropes))
+        head_size = _foldable_head_size(node, ropes)
+        if head_size:
+            found.append((node, ropes, head_size))
     if not found:
-        return {**stats, "skipped": "no GroupQueryAttention reads RotaryEmbeddings alone"}
+        return {**stats, "skipped": "no GroupQueryAttention reads full-width RotaryEmbeddings alone, with a "
+                                    "head size ORT's CPU kernel rotates (a multiple of 16)"}
     position_ids = next((v for v in graph.inputs if v.name == "position_ids"), None)
-    tables_of = {tuple(id(x) for x in r.inputs[2:4]) for _, ropes in found for r in ropes}
+    tables_of = {tuple(id(x) for x in r.inputs[2:4]) for _, ropes, _ in found for r in ropes}
     first = found[0][1][0]
     if position_ids is None or len(tables_of) != 1:
         return {**stats, "skipped": "no position_ids input, or ropes of different tables"}
@@ -108,15 +111,9 @@ def fold_rotary_into_attention(model, positions: int) -> dict[str, int | str]:
               for t in caches]
     for value in caches:
         graph.register_initializer(value)
-    for node, ropes in found:
-        interleaved = {int(r.attributes["interleaved"].value) if "interleaved" in r.attributes else 0 for r in ropes}
-        head_size = node.inputs[1].shape[-1] // node.attributes["kv_num_heads"].value if node.inputs[1].shape else None
-        dims = {r.attributes["rotary_embedding_dim"].value if "rotary_embedding_dim" in r.attributes else 0
-                for r in ropes}
-        if len(interleaved) != 1 or dims - {0, head_size} or tables[0].shape[1] * 2 != head_size:
-            continue  # partial rotary, or the two ropes differ: leave them
-        if head_size % 16:
-            continue  # ORT's CPU GroupQueryAttention refuses do_rotary unless head_size is a multiple of 16
+    for node, ropes, head_size in found:
+        if tables[0].shape[1] * 2 != head_size:
+            continue  # the tables rotate part of the head only: leave the ropes
         for index, rope in enumerate(ropes):
             node.replace_input_with(index, rope.inputs[0])
             graph.remove(rope, safe=True)  # its output had this one use: q and k keep one reader each
@@ -124,11 +121,30 @@ def fold_rotary_into_attention(model, positions: int) -> dict[str, int | str]:
         for index, value in ((7, caches[0]), (8, caches[1]), (9, position_ids)):
             node.replace_input_with(index, value)
         node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 1)
-        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", interleaved.pop())
+        node.attributes["rotary_interleaved"] = ir.AttrInt64("rotary_interleaved", _interleaved(ropes).pop())
         stats["rotary"] += 1
         stats["packed"] += _pack_qkv(node)
     RemoveUnusedNodesPass()(model)
     return stats
+
+
+def _interleaved(ropes) -> set[int]:
+    return {int(r.attributes["interleaved"].value) if "interleaved" in r.attributes else 0 for r in ropes}
+
+
+def _foldable_head_size(node, ropes) -> int | None:
+    """GroupQueryAttention's head size when its two ropes rotate whole heads alike and ORT's
+    CPU kernel can rotate that size itself (it refuses do_rotary unless head_size is a
+    multiple of 16); None otherwise. Checked before any table is made."""
+    key = node.inputs[1]
+    if key.shape is None or not isinstance(key.shape[-1], int):
+        return None
+    head_size = key.shape[-1] // node.attributes["kv_num_heads"].value
+    dims = {r.attributes["rotary_embedding_dim"].value if "rotary_embedding_dim" in r.attributes else 0
+            for r in ropes}
+    if len(_interleaved(ropes)) != 1 or dims - {0, head_size} or head_size % 16:
+        return None
+    return head_size
 
 
 def _projection_width(value) -> int | None:
