@@ -149,16 +149,34 @@ def _foldable_head_size(node, ropes) -> int | None:
 
 def _projection_width(value) -> int | None:
     """The static last dim of a rank-3 value, from its shape or (an export without shapes) from
-    the MatMul / MatMulNBits of a constant weight that made it."""
+    the MatMul / MatMulNBits of a constant weight that made it, behind an Add of its bias."""
     if value.shape is not None:
         last = value.shape[-1] if len(value.shape) == 3 else None
         return last if isinstance(last, int) else None
     node = value.producer()
+    if node is not None and node.op_type == "Add" and node.domain == "" and len(node.inputs) == 2:
+        return _biased_width(*node.inputs)
     if node is not None and node.op_type == "MatMulNBits" and "N" in node.attributes:
         return node.attributes["N"].value
     weight = node.inputs[1] if node is not None and node.op_type == "MatMul" and len(node.inputs) > 1 else None
     if weight is not None and weight.const_value is not None and len(weight.const_value.shape) == 2:
         return weight.const_value.shape[1]
+    return None
+
+
+def _biased_width(a, b) -> int | None:
+    """The width of ``a + b`` when one side is a projection of known width and the other a
+    constant bias along its last axis only (Qwen2's merged q/k/v bias: ``[N]``): the packed
+    projection then holds q, k and v with their biases, as the three slices did. A bias that
+    broadcasts over other axes, or an operand of unknown width, gives None."""
+    for projection, bias in ((a, b), (b, a)):
+        const = bias.const_value if bias is not None else None
+        if const is None or projection is None:
+            continue
+        width = _projection_width(projection)
+        shape = list(const.shape)
+        if width is not None and len(shape) <= 3 and shape[-1:] == [width] and all(n == 1 for n in shape[:-1]):
+            return width
     return None
 
 
@@ -193,7 +211,9 @@ def _last_axis_parts(values) -> tuple | None:
 
 def _pack_qkv(node) -> int:
     """GroupQueryAttention's q, k, v read as one packed input when they are the consecutive
-    last-axis parts of one [B, S, (H + 2 Hkv) * D] projection that nothing else reads."""
+    last-axis parts of one [B, S, (H + 2 Hkv) * D] projection that nothing else reads. A
+    biased projection (Qwen2) exports as MatMul + Add of the merged bias before the slices,
+    so its packed input carries the biases already and is taken the same way."""
     found = _last_axis_parts(node.inputs[:3])
     if found is None:
         return 0

@@ -140,3 +140,71 @@ def test_heads_of_8_keep_their_rotary_embeddings_and_decode():
     out = drive([runner], PROMPT, None, 6, [Sampler()])[0]
     want = eager_generate(model, PROMPT, 6)
     assert [out.token_ids(i) for i in range(2)] == [want.token_ids(i) for i in range(2)]
+
+
+def _packed(graph) -> list[bool]:
+    """Per GroupQueryAttention: does it read q, k, v as one packed input?"""
+    return [n.inputs[1] is None and n.inputs[2] is None for n in graph if n.op_type == "GroupQueryAttention"]
+
+
+def test_qwen2_biased_projection_reaches_attention_packed(ort_models):
+    """Qwen2's q/k/v carry biases: the merged projection exports as MatMul + Add of the merged
+    bias, then three Slices. The Add's output is the packed q/k/v with their biases, so
+    graphopt.generate's decoder reads it whole (per layer three Slices fewer), and its greedy
+    tokens stay eager's."""
+    import graphopt
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, max_position_embeddings=256)).eval()
+    out = graphopt.generate(model, PROMPT, 16, options={"target": "onnxruntime", "fallback": "error"})
+    graph = ort_models[-1].model.graph
+    assert _packed(graph) == [True, True]
+    assert all(n.inputs[0].producer().op_type == "Add" for n in graph if n.op_type == "GroupQueryAttention")
+    assert Counter(n.op_type for n in graph)["Slice"] == 0
+    want = eager_generate(model, PROMPT, 16)
+    assert [out.token_ids(i) for i in range(2)] == [want.token_ids(i) for i in range(2)]
+
+
+def _biased_qkv(width=128, bias_shape=(128,), extra_reader=False) -> tuple[ir.Model, object]:
+    """x [B, S, 64] @ W [64, width] + bias, sliced on the last axis into q [0:64], k [64:96],
+    v [96:128] for one GroupQueryAttention (4 heads, 2 kv heads of 16): Qwen2's layout."""
+    rng = np.random.default_rng(0)
+    consts = [helper.make_tensor("w", TensorProto.FLOAT, [64, width], rng.standard_normal(64 * width)),
+              helper.make_tensor("bias", TensorProto.FLOAT, list(bias_shape), rng.standard_normal(np.prod(bias_shape)))]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["proj"]), helper.make_node("Add", ["proj", "bias"], ["qkv"])]
+    for name, start, end in (("q", 0, 64), ("k", 64, 96), ("v", 96, 128)):
+        consts += [helper.make_tensor(f"{name}_{kind}", TensorProto.INT64, [1], [value])
+                   for kind, value in (("start", start), ("end", end), ("axis", -1))]
+        nodes.append(helper.make_node("Slice", ["qkv", f"{name}_start", f"{name}_end", f"{name}_axis"], [name]))
+    nodes.append(helper.make_node("GroupQueryAttention", ["q", "k", "v"], ["out"], domain="com.microsoft",
+                                  num_heads=4, kv_num_heads=2))
+    outputs = ["out"]
+    if extra_reader:  # the key part is also read by another node
+        nodes.append(helper.make_node("Neg", ["k"], ["k_elsewhere"]))
+        outputs.append("k_elsewhere")
+    graph = helper.make_graph(nodes, "qkv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", 64])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs], consts)
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                                  helper.make_opsetid("com.microsoft", 1)]))
+    return model, next(n for n in model.graph if n.op_type == "GroupQueryAttention")
+
+
+@pytest.mark.parametrize("bias_shape", [(128,), (1, 1, 128)])
+def test_packs_a_projection_behind_its_bias_add(bias_shape):
+    model, node = _biased_qkv(bias_shape=bias_shape)
+    assert rotary_fold._pack_qkv(node) == 1
+    assert node.inputs[0].name == "qkv" and _packed(model.graph) == [True]
+
+
+@pytest.mark.parametrize("layout", [
+    dict(extra_reader=True),  # the key slice has a second reader
+    dict(width=136, bias_shape=(136,)),  # q, k, v are not the whole projection: packed would be 8 wider
+    dict(bias_shape=(2, 1, 128)),  # a bias per batch row is no last-axis bias: the width is not proved
+])
+def test_skips_a_biased_projection_that_cannot_be_packed(layout):
+    model, node = _biased_qkv(**layout)
+    assert rotary_fold._pack_qkv(node) == 0
+    assert [x.name for x in node.inputs[:3]] == ["q", "k", "v"]
