@@ -57,9 +57,9 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     pair. On this 2-core machine, with llama-small, turning it off took a prefill from
     316 to 250 ms and a decode step from 63.8 to 56.0 ms (two sessions taking turns).
 
-    ``arena=False`` turns ORT's CPU memory arena off. A model with dynamic axes needs it off:
-    the arena keeps every block it ever grew to, so one long prompt would pin that much
-    memory for the life of the session.
+    ``arena=False`` turns ORT's CPU memory arena off. The arena keeps every block it ever
+    grew to, so a model with dynamic axes either has it off or shrinks it after each run with
+    its outputs outside it (``bound_outputs.py``); ``session._graphopt_arena`` says which.
 
     A model over 2 GB is written to a temporary folder with external data and loaded from
     there (protobuf cannot hold it in memory); the folder lives as long as the session.
@@ -101,6 +101,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
         raise ProviderUnavailable(f"provider {provider} is installed but did not start (no device?); "
                                   f"use provider=cpu or check the {PROVIDERS[provider][1]} install")
     session._graphopt_keepalive = keepalive  # noqa: SLF001  (the external-data folder)
+    session._graphopt_arena = arena  # noqa: SLF001
     return session
 
 
@@ -118,16 +119,32 @@ class SessionRunner:
         self.output_specs = list(output_specs) if output_specs is not None else None
         self.cpu_only = session.get_providers()[0] == "CPUExecutionProvider"
 
-    def __call__(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    def __call__(self, *tensors: torch.Tensor, run_options: Any = None) -> list[torch.Tensor]:
         if len(tensors) != len(self.input_names):
             raise ValueError(f"the ONNX model takes {len(self.input_names)} inputs, got {len(tensors)}")
         tensors = tuple(t.contiguous() for t in tensors)
-        if self.cpu_only and all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in tensors):
+        if self.cpu_only and self.takes_numpy(tensors):
             feeds = {name: t.numpy() for name, t in zip(self.input_names, tensors)}
-            return [torch.from_numpy(out) for out in self.session.run(None, feeds)]
-        return self._run_bound(tensors)
+            return [torch.from_numpy(out) for out in self.session.run(None, feeds, run_options)]
+        return self._run_bound(tensors, run_options)
 
-    def _run_bound(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @staticmethod
+    def takes_numpy(tensors: Sequence[torch.Tensor]) -> bool:
+        return all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in tensors)
+
+    def run_into(self, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
+                 run_options: Any = None) -> list[torch.Tensor]:
+        """Run on CPU tensors, writing into ``outputs`` (allocated by the caller with the
+        outputs' shapes and dtypes); ``run_options`` for the run (an arena shrinkage)."""
+        binding = self.session.io_binding()
+        for name, t in zip(self.input_names, tensors):
+            binding.bind_cpu_input(name, t.contiguous().numpy())
+        for name, out in zip(self.output_names, outputs):
+            binding.bind_output(name, "cpu", 0, out.numpy().dtype, list(out.shape), out.data_ptr())
+        self.session.run_with_iobinding(binding, run_options)
+        return list(outputs)
+
+    def _run_bound(self, tensors: Sequence[torch.Tensor], run_options: Any = None) -> list[torch.Tensor]:
         import onnxruntime
         from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
@@ -142,9 +159,9 @@ class SessionRunner:
             outputs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.output_specs]
             for name, out in zip(self.output_names, outputs):
                 binding.bind_ortvalue_output(name, as_ortvalue(out))
-            self.session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding, run_options)
             return outputs
         for name in self.output_names:
             binding.bind_output(name, "cuda" if device.type == "cuda" else "cpu", device.index or 0)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, run_options)
         return [torch.from_dlpack(v._ortvalue) for v in binding.get_outputs()]  # noqa: SLF001

@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from graphopt.backends.onnxruntime import reuse
+from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
@@ -102,7 +103,7 @@ def _output_specs(gm: fx.GraphModule) -> list | None:
 
 
 def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, dynamic: bool,
-                   sizes_from: dict | None = None, report=None):
+                   sizes_from: dict | None = None, report=None, arena: bool | None = None):
     """Export ``gm`` and open its session; record the build on the graph's report."""
     from graphopt import report as reports
     from graphopt.backends.onnxruntime.export import export_graph
@@ -116,7 +117,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from).result()
     exported = time.perf_counter()
     try:
-        session = create_session(model, provider, arena=not dynamic)
+        session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     except Exception as error:
         raise _missing_kernel(error, model, provider) or error
     done = time.perf_counter()
@@ -161,11 +162,15 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
     inputs = inputs_from_meta(gm)
     if inputs is None:
         return _per_signature(gm, provider, "an input has no fake value to size an example from")
+    # With outputs it can bind, the session keeps ORT's arena and shrinks it after each run.
+    bound = BoundOutputs.of(gm, plan) if provider == "cpu" else None
     try:
-        model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from)
+        model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from,
+                                        arena=bound is not None)
     except OnnxExportError as error:
         return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
-    run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan)
+    run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
+                  release=bound is not None)
     reuse.remember(gm, model, session, provider, owner=run)
     return run
 
@@ -190,8 +195,10 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
             p = ("sym", position) if plan is not None and position in plan.outputs else ("const", int(val))
         output_plan.append(p)
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    arena = getattr(earlier.session, "_graphopt_arena", False)
+    bound = BoundOutputs.of(gm, plan or SizePlan.of(gm)) if arena else None
     run = _runner(gm, earlier.model, earlier.session, SessionRunner(earlier.session, None), placeholders, plan,
-                  output_plan)
+                  output_plan, bound=bound, release=arena)
     run.graphopt_reusable = earlier  # this callable keeps the session alive too
     message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {reuse.describe(binding)} "
                "(dynamo's recompile), and that graph's session serves it")
@@ -201,14 +208,21 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
 
 
 def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None,
-            output_plan: list | None = None) -> Callable:
+            output_plan: list | None = None, bound: BoundOutputs | None = None, release: bool = False) -> Callable:
+    """The graph's callable. ``release``: each run shrinks the session's arena (a dynamic
+    session with the arena on), into outputs that ``bound`` allocates (``bound_outputs.py``)."""
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
     outputs_plan = model.output_plan if output_plan is None else output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
     layouts = _output_layouts(gm)
+    release = release_arena_options() if release else None
+    positions = bound.onnx_positions(outputs_plan, len(runner.output_names)) if bound is not None else None
 
     def run(*args: Any) -> Any:
-        outputs = runner(*[args[i] for i in tensor_positions])
+        tensors = [args[i] for i in tensor_positions]
+        into = bound.allocate(positions, args) if positions is not None and runner.takes_numpy(tensors) else None
+        # Outputs the arena allocated would pin their regions through the shrink: bind ours.
+        outputs = runner.run_into(tensors, into, release) if into is not None else runner(*tensors, run_options=release)
         sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
         result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
                   for p in outputs_plan]

@@ -21,13 +21,14 @@ OPTIONS = {"target": "onnxruntime", "provider": "cpu", "fallback": "error"}
 def sessions_run(monkeypatch):
     """The session behind every ORT call of a test, in call order."""
     seen = []
-    real = session_module.SessionRunner.__call__
+    for method in ("__call__", "run_into"):  # ORT's outputs, or outputs bound before the run
+        real = getattr(session_module.SessionRunner, method)
 
-    def spy(self, *tensors):
-        seen.append(self.session)
-        return real(self, *tensors)
+        def spy(self, *args, real=real, **kwargs):
+            seen.append(self.session)
+            return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(session_module.SessionRunner, "__call__", spy)
+        monkeypatch.setattr(session_module.SessionRunner, method, spy)
     return seen
 
 
