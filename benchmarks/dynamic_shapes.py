@@ -9,7 +9,8 @@ lengths. Each variant runs in its own process (so resident memory is its own) an
 change by the second call, so dynamo's automatic-dynamic recompile covers both axes):
 
 - ``eager``: the model itself, after one warm-up call at another shape;
-- ``inductor``: ``torch.compile(dynamic=True)``;
+- ``inductor``: ``torch.compile(dynamic=True)``; ``inductor-default``: ``torch.compile`` with
+  dynamo's default (static first compile, then automatic dynamic), as ``ort`` is;
 - ``ort`` / ``graphopt-eager``: ``torch.compile(backend="graphopt")`` on the onnxruntime /
   eager target, dynamo's default (static first compile, then automatic dynamic);
 - ``ort-dynamic``: the onnxruntime target with ``dynamic=True`` (symbolic from the first call);
@@ -51,7 +52,7 @@ def shapes(max_len: int = 512) -> list[tuple[int, int]]:
     return [(1 if i % 2 == 0 else 4, max(2, seq * max_len // 512)) for i, seq in enumerate(LENGTHS)]
 
 
-VARIANTS = ("eager", "ort", "ort-dynamic", "ort-oblivious", "graphopt-eager", "inductor")
+VARIANTS = ("eager", "ort", "ort-dynamic", "ort-oblivious", "graphopt-eager", "inductor", "inductor-default")
 
 
 def rss_mb() -> tuple[float, float]:
@@ -85,8 +86,8 @@ def run_variant(name: str, model_name: str, max_len: int, passes: int = 1) -> li
         fn = model
         with torch.no_grad():
             fn(*models.example_inputs(model, batch=2, seq_len=4))  # warm-up at a shape not timed
-    elif name == "inductor":
-        fn = torch.compile(model, dynamic=True)
+    elif name.startswith("inductor"):
+        fn = torch.compile(model, dynamic=True if name == "inductor" else None)
     else:
         target = "eager" if name == "graphopt-eager" else "onnxruntime"
         if name == "ort-oblivious":
@@ -106,7 +107,7 @@ def run_variant(name: str, model_name: str, max_len: int, passes: int = 1) -> li
             row["steady_s"] = min(row.get("steady_s", seconds), seconds)
     if passes > 1:
         rows[-1]["builds_after_passes"] = build_count()
-    if name != "eager" and name != "inductor":
+    if name != "eager" and not name.startswith("inductor"):
         rows[-1]["builds_detail"] = [b for r in graphopt.reports() for b in r.to_dict()["builds"]]
         rows[-1]["targets"] = sorted({r.target for r in graphopt.reports()})
     return rows
@@ -132,7 +133,7 @@ def table(results: dict[str, list[dict]], calls: list[tuple[int, int]]) -> str:
     steady = [n for n in names if "steady_s" in results[n][0]]
     head = ["call", "shape", "eager s"] + [f"{n} s (x eager)" for n in names] + \
         [f"{n} steady (x eager steady)" for n in steady] + \
-        [f"{n} builds" for n in names if n != "inductor"] + [f"{n} RSS/peak MB" for n in results]
+        [f"{n} builds" for n in names if not n.startswith("inductor")] + [f"{n} RSS/peak MB" for n in results]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, (batch, seq) in enumerate(calls):
         base = eager[i]["s"] if eager else None
@@ -141,7 +142,7 @@ def table(results: dict[str, list[dict]], calls: list[tuple[int, int]]) -> str:
             s = results[n][i]["s"]
             cells.append(f"{s:.3f} ({s / base:.2f})" if base else f"{s:.3f}")
         cells += [_steady(results, n, i) for n in names if "steady_s" in results[n][i]]
-        cells += [str(results[n][i]["builds"]) for n in names if n != "inductor"]
+        cells += [str(results[n][i]["builds"]) for n in names if not n.startswith("inductor")]
         cells += [f"{results[n][i]['rss_mb']:.0f}/{results[n][i]['peak_mb']:.0f}" for n in results]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
