@@ -27,7 +27,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime.session import _NUMPY_DTYPES
+from graphopt.backends.onnxruntime.session import NUMPY_DTYPES
 from graphopt.backends.onnxruntime.signatures import SizePlan
 
 
@@ -58,7 +58,7 @@ class BoundOutputs:
             if not isinstance(val, torch.Tensor):
                 specs.append(None)
                 continue
-            if val.dtype not in _NUMPY_DTYPES or val.device.type != "cpu":
+            if val.dtype not in NUMPY_DTYPES or val.device.type != "cpu":
                 return None
             sizes = [_size_function(s, symbols) for s in val.shape]
             if any(f is None for f in sizes):

@@ -29,8 +29,8 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "migraphx": ("MIGraphXExecutionProvider", "onnxruntime-migraphx"),
     "tensorrt": ("TensorrtExecutionProvider", "onnxruntime-gpu"),
 }
-_NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-                 torch.uint8, torch.bool, torch.int16}
+NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+                torch.uint8, torch.bool, torch.int16}
 
 
 def provider_problem(provider: str) -> str | None:
@@ -130,7 +130,7 @@ class SessionRunner:
 
     @staticmethod
     def takes_numpy(tensors: Sequence[torch.Tensor]) -> bool:
-        return all(t.device.type == "cpu" and t.dtype in _NUMPY_DTYPES for t in tensors)
+        return all(t.device.type == "cpu" and t.dtype in NUMPY_DTYPES for t in tensors)
 
     def run_into(self, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                  run_options: Any = None) -> list[torch.Tensor]:
