@@ -90,7 +90,10 @@ class SizePlan:
 def inputs_from_meta(gm: fx.GraphModule) -> list | None:
     """Example inputs built from the placeholders' fake values, each symbolic size at its hint
     (the size dynamo traced with): zeros, since the export traces and never computes."""
-    from torch.fx.experimental.symbolic_shapes import optimization_hint
+    try:
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+    except ImportError:  # torch < 2.13 names it size_hint
+        from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
     inputs = []
     for node in _placeholders(gm):

@@ -124,6 +124,31 @@ def _(cache, new, pos, layout="bhsd", block_table=None, scales=None):
     return None
 
 
+def _bump_versions_with_defaults_filled(op) -> None:
+    """torch 2.11-2.12's ADInplaceOrView kernel for a custom op indexes the mutated arguments
+    by their schema position without filling defaults, so a call that leaves out ``scales``
+    (the last, defaulted, argument) raises IndexError. torch 2.13 fills the defaults first;
+    register that behaviour on older torch: bump the version of each written tensor, redispatch."""
+    from torch._library import utils as library_utils
+
+    schema = op._opoverload._schema
+    mutated_idxs, mutated_keys = library_utils.mutated_args_kwargs(schema)
+    after = torch._C._after_ADInplaceOrView_keyset
+
+    def bump_then_redispatch(keyset, *args, **kwargs):
+        all_args, all_kwargs = library_utils.fill_defaults(schema, args, kwargs)
+        written = [all_args[i] for i in mutated_idxs] + [all_kwargs[k] for k in mutated_keys]
+        torch.autograd.graph.increment_version([t for t in written if isinstance(t, Tensor)])
+        return op._opoverload.redispatch(keyset & after, *args, **kwargs)
+
+    op._lib.impl(schema.name.split("::")[-1], bump_then_redispatch, "ADInplaceOrView", with_keyset=True,
+                 allow_override=True)
+
+
+if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13):
+    _bump_versions_with_defaults_filled(kv_cache_update)
+
+
 def cache_length(cache: Tensor, layout: str = "bhsd", block_table: Tensor | None = None) -> int:
     """Positions one sequence of ``cache`` holds (paged: its blocks_per_seq whole blocks)."""
     if layout == "bhsd":
