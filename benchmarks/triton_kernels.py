@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -34,6 +36,14 @@ class Case:
     torch_fn: Callable[[], object]
     bytes_moved: int   # compulsory traffic: every input read once, every output written once
     flops: int = 0
+
+
+_START = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    """A progress line with the seconds since start: a run cut short by a timeout shows where it was."""
+    print(f"[triton_kernels {time.perf_counter() - _START:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -137,6 +147,7 @@ def decode_step_rows(dtype: torch.dtype, do_bench, past: int = 128, name: str = 
     for label, options in (("triton + inductor", {}), ("triton, inductor=False", {"inductor": False})):
         torch._dynamo.reset()
         graphopt.reset()
+        log(f"decode step, {label}")
         compiled = torch.compile(model, backend="graphopt", options={"target": "triton", **options})
         with torch.no_grad():
             got = compiled(token, past_key_values=cache)[0]  # compile and autotune outside the timed region
@@ -149,8 +160,8 @@ def decode_step_rows(dtype: torch.dtype, do_bench, past: int = 128, name: str = 
     return rows
 
 
-def generate_rows(dtype: torch.dtype, prompt: int = 128, new_tokens: int = 64,
-                  name: str = "llama-small") -> list[dict]:
+def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda row: None, prompt: int = 128,
+                  new_tokens: int = 64, name: str = "llama-small", device: str = "cuda") -> list[dict]:
     """llama-small through graphopt.generate on the triton target, with and without CUDA graph
     capture, against the eager loop: token agreement, prefill ms, median decode ms/token, and
     the peak memory of each decode step (its largest value and its spread over the steps:
@@ -162,8 +173,8 @@ def generate_rows(dtype: torch.dtype, prompt: int = 128, new_tokens: int = 64,
     from graphopt import models
     from graphopt.generation import generate_with_reference
 
-    model = models.build(name).to("cuda", dtype).eval()
-    ids = torch.randint(0, models.config_of(name).vocab_size, (1, prompt), device="cuda")
+    model = models.build(name).to(device, dtype).eval()
+    ids = torch.randint(0, models.config_of(name).vocab_size, (1, prompt), device=device)
     rows = []
     for label, extra in (("captured", {}), ("not captured", {"disable_passes": ["cuda_graphs"]})):
         torch._dynamo.reset()
@@ -176,6 +187,7 @@ def generate_rows(dtype: torch.dtype, prompt: int = 128, new_tokens: int = 64,
             torch.cuda.reset_peak_memory_stats()
 
         torch.cuda.reset_peak_memory_stats()
+        log(f"generate, {label}")
         out, ref = generate_with_reference(model, ids, new_tokens, options={"target": "triton", **extra})
         graphopt.generate(model, ids, new_tokens, options={"target": "triton", **extra}, on_token=on_token)
         steady = peaks[len(peaks) // 4:]  # the first steps compile and warm up
@@ -187,8 +199,12 @@ def generate_rows(dtype: torch.dtype, prompt: int = 128, new_tokens: int = 64,
                          eager_ms_per_token=statistics.median(ref.ms_per_token),
                          peak_mib=max(steady) / 2**20, peak_spread_mib=(max(steady) - min(steady)) / 2**20,
                          cuda_graphs=out.cuda_graphs or "-"))
+        record(rows[-1])
+    log("profiling the uncaptured decode step's kernels")
+    kernels_ms = kernel_ms_per_step(model, ids, new_tokens)
     rows.append(dict(section="llama-small triton", name="captured step / sum of its kernels",
-                     ratio=rows[0]["ms_per_token"] / kernel_ms_per_step(model, ids, new_tokens)))
+                     ratio=rows[0]["ms_per_token"] / kernels_ms, kernels_ms_per_step=kernels_ms))
+    record(rows[-1])
     return rows
 
 
@@ -249,31 +265,47 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(records, fh, indent=1, default=str)
 
+    def failed(what: str, exc: Exception) -> None:
+        traceback.print_exc()
+        record(dict(section="failed", name=what, error=f"{type(exc).__name__}: {exc}"[:300]))
+
     record(dict(section="device", name=device, copy_gb_s=peak / 1e9))
     for case in cases(dtype):
         if args.only and case.name not in args.only:
             continue
-        case.triton_fn()  # compile and autotune outside the timed region
-        t_ms, ref_ms = do_bench(case.triton_fn), do_bench(case.torch_fn)
+        try:
+            case.triton_fn()  # compile and autotune outside the timed region
+            t_ms, ref_ms = do_bench(case.triton_fn), do_bench(case.torch_fn)
+        except Exception as exc:  # one kernel that fails must not hide the others' numbers
+            failed(f"{case.name} {case.shape}", exc)
+            continue
         bw = case.bytes_moved / (t_ms * 1e-3)
         tflops = f"{case.flops / (t_ms * 1e-3) / 1e12:.1f}" if case.flops else "-"
         table.add_row(case.name, case.shape, f"{t_ms:.3f}", f"{ref_ms:.3f}", f"{ref_ms / t_ms:.2f}x",
                       f"{bw / 1e9:.0f}", f"{bw / peak:.2f}", tflops)
         record(dict(section="kernels", name=case.name, shape=case.shape, triton_ms=t_ms, torch_ms=ref_ms,
-                            of_copy_bw=bw / peak))
+                    of_copy_bw=bw / peak))
+        log(f"{case.name} {case.shape}: {t_ms:.4f} ms, {bw / peak:.2f} of copy bandwidth")
     Console().print(table)
+    # generate first: its captured-step ratio is the goal a timeout must not cut off
+    if args.generate:
+        try:
+            for row in generate_rows(dtype, record):
+                Console().print(row)
+        except Exception as exc:
+            failed("llama-small generate", exc)
     if not args.no_decode_step:
         e2e = Table(title=f"llama-small decode step (batch 1, 128-token cache), {args.dtype}")
         for col in ("", "ms", "speedup", "rel err vs eager", "target", "fallbacks"):
             e2e.add_column(col, justify="right" if col in ("ms", "speedup", "rel err vs eager") else "left")
-        for row in decode_step_rows(dtype, do_bench):
-            e2e.add_row(*row)
-            record(dict(section="llama-small decode step", name=row[0], ms=row[1], rel_err=row[3]))
+        try:
+            for row in decode_step_rows(dtype, do_bench):
+                e2e.add_row(*row)
+                record(dict(section="llama-small decode step", name=row[0], ms=row[1], rel_err=row[3],
+                            fallbacks=row[5]))
+        except Exception as exc:
+            failed("llama-small decode step", exc)
         Console().print(e2e)
-    if args.generate:
-        for row in generate_rows(dtype):
-            record(row)
-            Console().print(row)
     return 0
 
 
