@@ -85,7 +85,9 @@ for r in json.load(open(bench)) if os.path.exists(bench) else []:
         goal = {"int4_gemm": ">= 0.70 (GEMV)", "rms_norm": ">= 0.80", "add_rms_norm": ">= 0.80",
                 "layer_norm": ">= 0.80", "softmax_rms_norm": ">= 0.80"}.get(r["name"], "")
         t.add_row("kernels", f"{r['name']} {r['shape']}",
-                  f"{r['of_copy_bw']:.2f} of copy BW ({r['triton_ms']:.3f} ms; torch {r['torch_ms']:.3f} ms)", goal)
+                  f"{r['of_copy_bw']:.2f} of copy BW on the device ({r['device_ms'] * 1e3:.1f} us); launched "
+                  f"{r['triton_ms'] * 1e3:.1f} us ({r['launched_of_copy_bw']:.2f}), host {r['host_us']:.0f} us; "
+                  f"torch {r['torch_ms'] * 1e3:.0f} us", goal)
     elif r["section"] == "device":
         t.add_row("device", r["name"], f"copy {r['copy_gb_s']:.0f} GB/s", "")
     else:
