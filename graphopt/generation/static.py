@@ -108,8 +108,10 @@ def compile_static_step(adapter: nn.Module, input_ids: Tensor, position_ids: Ten
     layout_config = layout_options(config, max_length)
     # static_kv_cache changes the inputs, so it runs apart from the fusion pipeline (whose
     # numeric checks replay the exported inputs) and always last: no later pass may move a
-    # cache read across its kv_cache_update.
-    stage = PassManager([get_pass(name) for name in LAST_PASSES], verify=config.verify, fallback=config.fallback)
+    # cache read across its kv_cache_update. Of the two only cuda_graphs may be disabled:
+    # without static_kv_cache there is no step to decode with.
+    stage = PassManager([get_pass(name) for name in LAST_PASSES], verify=config.verify, fallback=config.fallback,
+                        disabled=[name for name in config.disable_passes if name == "cuda_graphs"])
     result = stage.run(fused.gm, PassContext(layout_config))
     report.passes = fused.records + result.records
     report.near_misses = fused.near_misses + result.near_misses
