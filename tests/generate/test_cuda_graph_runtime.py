@@ -153,3 +153,13 @@ def test_real_capture_replays_a_region_with_the_cache_in_place():
         (got,) = runner(cache, new, pos, q)
         torch.testing.assert_close(got, expected)
     assert runner.captures == 2
+
+
+def test_generate_leaves_out_capture_when_cuda_graphs_is_disabled():
+    model = models.build("llama-tiny")
+    ids = torch.randint(0, 256, (1, 5))
+    on = graphopt.generate(model, ids, 3, options={"target": "eager"})
+    off = graphopt.generate(model, ids, 3, options={"target": "eager", "disable_passes": ["cuda_graphs"]})
+    assert "runs on cpu" in on.cuda_graphs, on.cuda_graphs  # the pass ran and said why it could not capture
+    assert off.cuda_graphs == "no CUDA graph captured: the cuda_graphs pass did not run"
+    assert torch.equal(on.sequences, off.sequences)

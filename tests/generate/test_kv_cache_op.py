@@ -102,3 +102,20 @@ def test_survives_dead_code_elimination_and_runs_in_a_graph():
     gm.recompile()
     buf = torch.zeros(1, 1, 4, 2)
     assert gm(buf, torch.full((1, 1, 1, 2), 3.0), torch.tensor(1)).item() == 6.0
+
+
+def test_version_bump_with_defaults_filled_writes_and_bumps_the_written_tensors():
+    # torch 2.11-2.12 need this kernel (their own one indexes the defaulted `scales` and raises
+    # IndexError); registering it again on newer torch must keep the op's behaviour.
+    from graphopt.ops.kv_cache import _bump_versions_with_defaults_filled
+
+    _bump_versions_with_defaults_filled(kv_cache_update)
+    cache, new = torch.zeros(1, 2, 8, 4), torch.randn(1, 2, 1, 4)
+    before = cache._version
+    torch.ops.graphopt.kv_cache_update(cache, new, torch.tensor(3))  # scales left out
+    assert cache._version > before and torch.equal(cache[:, :, 3:4], new)
+    q, scales = torch.zeros(1, 2, 8, 4, dtype=torch.int8), torch.zeros(1, 2, 8, 1)
+    before = scales._version
+    torch.ops.graphopt.kv_cache_update(q, new, torch.tensor(2), "bhsd", None, scales)
+    assert scales._version > before
+    torch.testing.assert_close(read_cache(q, scales=scales)[:, :, 2:3], new, atol=0.02, rtol=0.02)
