@@ -152,6 +152,7 @@ class OrtRunner:
 
     target = "onnxruntime"
     cuda_graphs = ""
+    serves_any_length = True  # dynamic axes: generate's runner cache keeps one per options
 
     def __init__(self, model: nn.Module | None, config: Options | None = None, max_length: int | None = None) -> None:
         from graphopt.backends.onnxruntime.generate import cache_steps

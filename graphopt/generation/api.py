@@ -14,6 +14,10 @@ from the hardware. Any other target lowers the static-cache step on eager, and t
 says so. If a runner cannot be built (export failed, no static cache), the model decodes
 eagerly with its own cache and ``fallback`` says why, unless ``options={"fallback": "error"}``.
 
+The runner is kept on the model for the next call with the same options (and, for a static
+cache compiled at one size, the same ``max_length``): a second call compiles nothing unless the
+weights changed (graphopt.generation.runner_cache).
+
 A left-padded batch (``attention_mask`` with zeros on the left) decodes in one batch on
 runners that take per-row lengths (``pads``: the eager reference for transformers models, the
 in-place ONNX Runtime decoder); a runner that takes none decodes it as groups of one prompt
@@ -33,6 +37,7 @@ from graphopt.config import Options
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
 from graphopt.generation.runner import EagerRunner, inference_mode, step_adapter
+from graphopt.generation.runner_cache import cached_runner
 from graphopt.generation.sampling import Sampler, StopConditions
 
 log = logging.getLogger("graphopt")
@@ -137,8 +142,20 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
         if max_new_tokens == 0:
             return [GenerateResult(input_ids, input_ids.shape[1], new_lengths=[0] * input_ids.shape[0])] * 2
         try:
-            runners = [make_runner(model, config, max_length)] + ([EagerRunner(model)] if reference else [])
-            return _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)
+            with cached_runner(model, config, max_length, lambda: make_runner(model, config, max_length)) as (
+                    runner, reused):
+                if getattr(runner, "serves_any_length", False):
+                    runner.max_length = max_length  # its first buffer's size for this call
+                before = runner.compiles, runner.prefill_compiles, runner.compile_s
+                runners = [runner] + ([EagerRunner(model)] if reference else [])
+                results = _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)
+            # Runners count cumulatively; a result reports what this call compiled.
+            mine = results[0]
+            mine.compiles, mine.prefill_compiles = mine.compiles - before[0], mine.prefill_compiles - before[1]
+            mine.compile_s -= before[2]
+            if reused:
+                mine.notes.append("reused the step runner an earlier generate call compiled for this model")
+            return results
         except GraphoptError as error:
             reason = str(error)
         except Exception as error:  # export or a pass crashed: never break the user's decoding

@@ -132,7 +132,8 @@ def compile_static_step(adapter: nn.Module, input_ids: Tensor, position_ids: Ten
 
 
 class CacheBuffers:
-    """The static cache buffers of one ``generate`` call, allocated once, shared by every step graph."""
+    """The static cache buffers of a runner, allocated once, shared by every step graph (and zeroed
+    for each later generate call that reuses the runner)."""
 
     def __init__(self, spec: StaticCacheSpec, device: torch.device) -> None:
         self.spec = spec
@@ -145,6 +146,12 @@ class CacheBuffers:
             self.block_table = torch.arange(spec.block_table_shape[0] * spec.block_table_shape[1],
                                             device=device).view(spec.block_table_shape)
         self.pos = torch.zeros((), dtype=torch.long, device=device)
+        self.device = torch.device(device)
+
+    def zero_(self) -> None:
+        """Back to a fresh call's state (the block table never changes)."""
+        for t in (*self.caches, *self.scales, self.pos):
+            t.zero_()
 
     def compatible(self, spec: StaticCacheSpec) -> bool:
         mine = self.spec
@@ -203,7 +210,11 @@ class StaticRunner:
         self.probe = example_past(self.step_fn, input_ids)
         self.first = self.graphs.get(input_ids, positions(batch, 0, prompt, input_ids.device), self.probe)
         self.prefill_compiles += self.graphs.compiles - before
-        self.buffers = CacheBuffers(self.first.spec, input_ids.device)
+        buffers = getattr(self, "buffers", None)
+        if buffers is not None and buffers.device == input_ids.device and buffers.compatible(self.first.spec):
+            buffers.zero_()  # a runner reused by a later generate call: same addresses, so captured graphs replay
+        else:
+            self.buffers = CacheBuffers(self.first.spec, input_ids.device)
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         batch, prompt = input_ids.shape
