@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             f"launched {t_ms:.4f} ms, host {launch_us:.0f} us")
         if case.name == "int4_gemm":
             from graphopt.backends.triton.kernels import int4_gemm
-            log(f"  int4_gemm decode config: {getattr(int4_gemm.int4_gemm_decode, 'best_config', None)}")
+            tuner = int4_gemm.int4_gemm_gemv if case.shape.startswith("GEMV") else int4_gemm.int4_gemm_decode
+            log(f"  int4_gemm config: {getattr(tuner, 'best_config', None)}")
     del copies
     torch.cuda.empty_cache()
     Console().print(table)

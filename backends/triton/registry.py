@@ -90,15 +90,22 @@ class KernelEntry:
         the interpreter (one config) never exercises.
         """
         mod = self.load()
-        base = self.aot_specs(warp_size)[0]
-        configs = mod.gpu_configs(hip=warp_size == 64)
-        if prune := getattr(mod, "prune_configs", None):
-            configs = prune(configs, dict(base.constexprs), warp=warp_size)
-        return [replace(base, constexprs={**base.constexprs, **c.kwargs}, num_warps=c.num_warps,
-                        num_stages=c.num_stages,
-                        label=" ".join([*(f"{k}={v}" for k, v in c.kwargs.items()), f"w{c.num_warps}",
-                                        f"s{c.num_stages}"]))
-                for c in configs]
+        specs = self.aot_specs(warp_size)
+        # A module whose launchers tune several config lists names the spec each is built on
+        # (int4_gemm: the MMA tiles on its prefill spec, the GEMV tiles on its GEMV spec).
+        groups = (mod.tuning_groups(hip=warp_size == 64) if hasattr(mod, "tuning_groups")
+                  else [(specs[0].label, mod.gpu_configs(hip=warp_size == 64))])
+        built = []
+        for label, configs in groups:
+            base = next(s for s in specs if s.label == label)
+            if prune := getattr(mod, "prune_configs", None):
+                configs = prune(configs, dict(base.constexprs), warp=warp_size)
+            built += [replace(base, constexprs={**base.constexprs, **c.kwargs}, num_warps=c.num_warps,
+                              num_stages=c.num_stages,
+                              label=" ".join([*(f"{k}={v}" for k, v in c.kwargs.items()), f"w{c.num_warps}",
+                                              f"s{c.num_stages}"]))
+                      for c in configs]
+        return built
 
 
 _ENTRIES = [

@@ -22,7 +22,10 @@ is 32 bits wide there). The GEMV prefetches the next step's weights by hand.
 
 Two shapes, two tunings (``int4_linear`` picks by M):
 - decode (M <= 16): few rows and the whole weight to stream. One token is a GEMV on
-  the FMA units (a broadcast product and a reduction over k); 2-16 rows use one 16-row
+  the FMA units with its own tuning (``int4_gemm_gemv``): its widest tiles step over whole
+  groups (BLOCK_K = 4-8 groups of 32: four 128-bit loads of codes per thread a step, with
+  the next step's in flight), split x into even and odd k rather than interleave the
+  nibbles, and keep each column's sum in one thread; 2-16 rows use one 16-row
   MMA tile (the rows past M are masked: the kernel is bound by the weight stream, so the
   padding costs no time, and an FMA product of 8 rows would not fit in registers). K is
   split over SPLIT programs so that a single token fills the GPU; their fp32 partial
@@ -41,6 +44,9 @@ from graphopt.ops.quant import check_format
 
 from . import _common
 from ._device import dot
+from .int4_gemm_configs import (  # noqa: F401  (registry.tuning_specs and the tests read them here)
+    GEMV_BYTES_PER_THREAD, decode_gpu_configs, gemv_bytes_per_thread, gemv_gpu_configs, gemv_sub_group,
+    gpu_configs, grouped_gemv_configs, prefill_gpu_configs, prune_configs)
 
 DECODE_MAX_M = 16
 
@@ -77,6 +83,35 @@ def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, str
     if HAS_ZEROS:
         zbyte = tl.load(z_ptr + n64[None, :] * stride_zn + group // 2, mask=s_mask, other=0)
         zero = ((zbyte >> ((group % 2) * 4)) & 0xF).to(tl.float32)
+    else:
+        zero = tl.full(scale.shape, 8.0, tl.float32)
+    return packed, scale, zero
+
+
+@triton.jit
+def _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj, k0, k_end, stride_wn, stride_sn, stride_zn,
+                 GROUP: tl.constexpr, SUB: tl.constexpr, HAS_ZEROS: tl.constexpr):
+    """The GEMV's weight stream for a step of G sub-groups of SUB k (SUB divides GROUP, so
+    each lies in one group): codes [G, SUB / 2, BLOCK_N] (u8), scales and zero points
+    [G, 1, BLOCK_N] (fp32), one per sub-group and column.
+
+    Each column's SUB / 2 bytes of a sub-group are contiguous and 16-byte aligned, so each
+    thread moves them as 128-bit loads, G of them per step (SUB is at most 32: a thread
+    holding a whole group of 128 would need twice the registers and spills). The mask is
+    per sub-group (one past ``k_end``, as in the prefetch past the end, loads nothing),
+    constant along its bytes, so it does not narrow the loads. A sub-group that starts
+    before K ends inside K_pad; its codes past K are padding and meet x = 0.
+    """
+    start = k0 + offs_g * SUB  # [G]
+    group = start // GROUP
+    ok = (start < k_end)[:, None, None] & n_ok[None, None, :]  # [G, 1, BLOCK_N]
+    j = (tl.multiple_of(k0 // 2, SUB // 2) + offs_g * (SUB // 2))[:, None, None] + offs_jj[None, :, None]
+    cols = n64[None, None, :]
+    packed = tl.load(w_ptr + cols * stride_wn + j, mask=ok, other=0)
+    scale = tl.load(s_ptr + cols * stride_sn + group[:, None, None], mask=ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zbyte = tl.load(z_ptr + cols * stride_zn + group[:, None, None] // 2, mask=ok, other=0)
+        zero = ((zbyte >> ((group[:, None, None] % 2) * 4)) & 0xF).to(tl.float32)
     else:
         zero = tl.full(scale.shape, 8.0, tl.float32)
     return packed, scale, zero
@@ -120,6 +155,7 @@ def int4_gemm_kernel(
     BLOCK_N: tl.constexpr,    # output columns per program
     BLOCK_K: tl.constexpr,    # k per loop step; when it divides GROUP (the fast path) one scale per step
     DOT_F32: tl.constexpr,    # upcast dot operands (only the interpreter with bf16 needs it)
+    SUB: tl.constexpr,        # the GEMV's sub-group: 32 for groups that are multiples of 32, else GROUP
 ):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -144,10 +180,35 @@ def int4_gemm_kernel(
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & (k0 + offs_k < k_end)[None, :],
                         other=0.0)
             acc += dot(x, w, DOT_F32)
+    elif BLOCK_K % SUB == 0:
+        # GEMV on G sub-groups a step (BLOCK_K = G x SUB): G 128-bit loads of codes per
+        # thread per step, the next step's issued before this one's math (a hand prefetch:
+        # nothing feeds a dot, so the pipeliner leaves these loads alone). x is split into
+        # its even and odd k instead of interleaving the low and high nibbles of the weight,
+        # and each thread holds a group's codes of one column, so the sum over k stays in
+        # the thread: no shuffles per step, one reduction-free accumulator per column.
+        offs_g = tl.arange(0, BLOCK_K // SUB)
+        offs_jj = tl.arange(0, SUB // 2)
+        x_row = x_ptr + pid_m.to(tl.int64) * stride_xm
+        col_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        packed, scale, zero = _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj, k_start, k_end,
+                                           stride_wn, stride_sn, stride_zn, GROUP, SUB, HAS_ZEROS)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            next_packed, next_scale, next_zero = _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj,
+                                                              k0 + BLOCK_K, k_end, stride_wn, stride_sn, stride_zn,
+                                                              GROUP, SUB, HAS_ZEROS)
+            xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < k_end, other=0.0).to(tl.float32)
+            x_even, x_odd = tl.split(tl.reshape(xk, (BLOCK_K // SUB, SUB // 2, 2)))
+            # (q - z) * s rounded to x's dtype once, as _dequantize does: the reference's weight.
+            lo = (((packed & 0xF).to(tl.float32) - zero) * scale).to(dtype).to(tl.float32)
+            hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(dtype).to(tl.float32)
+            col_acc += tl.sum(tl.sum(lo * x_even[:, :, None] + hi * x_odd[:, :, None], axis=1), axis=0)
+            packed, scale, zero = next_packed, next_scale, next_zero
+        acc = col_acc[None, :]
     else:
-        # GEMV on the FMA units: nothing feeds a dot, so the pipeliner leaves these loads
-        # alone; the loop prefetches by hand, issuing step i + 1's weight loads before
-        # step i's unpack and multiply (the loads are in flight while it computes).
+        # GEMV with a group that is neither a multiple of 32 nor a divisor of the step
+        # (48, say): the masked per-byte fallback of _load_step. Nothing feeds a dot, so the
+        # loop prefetches by hand, issuing step i + 1's loads before step i's math.
         packed, scale, zero = _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k_start, k_end, stride_wn,
                                          stride_sn, stride_zn, GROUP, HAS_ZEROS, BLOCK_K)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -202,83 +263,13 @@ def int4_splitk_reduce_kernel(
 REDUCE_BLOCK, REDUCE_WARPS = 1024, 4  # 8 fp32 per thread of a 32-wide warp: two 128-bit loads per split
 
 
-# Bytes of packed weight each thread loads per K step: 16 is one 128-bit vector load.
-GEMV_BYTES_PER_THREAD = 16
-def gemv_bytes_per_thread(block_n: int, block_k: int, num_warps: int, warp: int) -> int:
-    return (block_k // 2) * block_n // (num_warps * warp)
-
-
-def decode_gpu_configs(hip: bool) -> list[triton.Config]:
-    """(BLOCK_N, BLOCK_K, warps, stages, reason) for M <= 16; BLOCK_M comes from the launcher.
-
-    Each tile gives every thread >= 16 bytes of packed weight per step at one token, so
-    a thread's codes are one 128-bit load: a 64-wide wavefront needs twice the tile (or
-    half the waves) of a 32-wide warp. Stages only matter at BLOCK_M = 16 (the MMA path;
-    the FMA path prefetches by hand).
-    """
-    if hip:
-        # gfx942: stream pipeliner stages through registers + LDS: 2 keeps LDS under 64 KiB.
-        # matrix_instr_nonkdim=16: a 16-row decode tile is one 16x16 MFMA row; 32x32 would be half padding.
-        amd = {"matrix_instr_nonkdim": 16}
-        shapes = [(128, 64, 4, 2, "256 lanes x 16 B: the widest tile that is one dwordx4 per lane"),
-                  (128, 32, 2, 2, "two waves: the same bytes per lane for any group size"),
-                  (64, 64, 2, 2, "half the columns: twice the programs for N <= 4096 on 304 CUs"),
-                  (64, 128, 4, 2, "group >= 128: long K steps, fewer loop trips")]
-        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, **amd}, num_warps=w, num_stages=st)
-                for bn, bk, w, st, _ in shapes]
-    # Hopper / Ampere: 4 stages of cp.async on the 16-row MMA path (16 x 64 tiles are small: 4 fit easily).
-    shapes = [(128, 32, 4, 4, "128 threads x 16 B: one ld.global.v4 per thread, any group size"),
-              (64, 64, 4, 3, "half the columns, twice the programs: fills 132 SMs at N = 4096"),
-              (128, 64, 4, 3, "two 128-bit loads per thread: more bytes in flight per SM"),
-              (64, 32, 2, 4, "two warps: small N still gets 16 B per thread"),
-              (32, 128, 4, 3, "group >= 128: long K steps, fewer loop trips")]
-    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st) for bn, bk, w, st, _ in shapes]
-
-
-def prefill_gpu_configs(hip: bool) -> list[triton.Config]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for M > 16, on MMA / MFMA tiles.
-
-    The knobs are reasoned, not yet timed on a device (scripts/gpu_check.sh times them).
-    """
-    if hip:
-        # LDS is 64 KiB: two stages at most for the large tiles. MI300 knobs:
-        # matrix_instr_nonkdim=16 (16x16x16 fp16 MFMA: the dequantized tile is written to LDS
-        # in 16-wide rows, and 16x16 needs half the accumulator VGPRs of 32x32);
-        # kpack=2 (8 k-values per LDS read: ds_read_b128 of the MFMA operands);
-        # waves_per_eu=2 on 8-wave 128x128 tiles (caps VGPRs at 256 so two workgroups
-        # share a CU and one's dequant hides the other's loads), 0 (compiler's choice) on smaller tiles.
-        shapes = [(128, 128, 64, 8, 2, 2), (128, 128, 32, 8, 2, 2), (128, 64, 64, 4, 2, 0), (64, 128, 32, 4, 2, 0),
-                  (64, 64, 32, 4, 2, 0)]
-        return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "matrix_instr_nonkdim": 16, "kpack": 2,
-                               "waves_per_eu": wpe}, num_warps=w, num_stages=st)
-                for bm, bn, bk, w, st, wpe in shapes]
-    # Hopper: 8 warps (two warpgroups) on 128x128 tiles for wgmma, 3-4 stages of cp.async
-    # (3 x 24 KiB at BLOCK_K = 64 leaves room for a second block per SM in 228 KiB);
-    # 4 warps on the smaller tiles, where 4 stages still fit twice per SM.
-    shapes = [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4), (64, 128, 32, 4, 4),
-              (64, 64, 32, 4, 4)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-            for bm, bn, bk, w, st in shapes]
-
-
-def gpu_configs(hip: bool) -> list[triton.Config]:
-    """Every config either tuning may pick (registry.tuning_specs builds each of them)."""
-    return decode_gpu_configs(hip) + prefill_gpu_configs(hip)
-
-
-def prune_configs(configs, named_args, warp: int | None = None, **kwargs):
-    """Keep the configs whose BLOCK_K divides the group size (one scale per step, unmasked
-    128-bit loads), else those with the smallest BLOCK_K (the masked fallback). ``warp``
-    is accepted for registry.tuning_specs; the choice does not depend on it."""
-    group = {**named_args, **kwargs}["GROUP"]
-    kept = [c for c in configs if group % c.kwargs.get("BLOCK_K", group) == 0]
-    if not kept:
-        smallest = min(c.kwargs.get("BLOCK_K", 0) for c in configs)
-        kept = [c for c in configs if c.kwargs.get("BLOCK_K", 0) == smallest]
-    return kept
-
-
 _DECODE_KEY = ["N", "K", "GROUP", "HAS_ZEROS", "SPLIT", "BLOCK_M"]
+# The interpreter's GEMV tile steps over two sub-groups of 32 (of one group of 64 or 128, or
+# of two groups of 32) or four groups of 16; groups like 48 take the masked fallback.
+int4_gemm_gemv = triton.autotune(
+    configs=_common.pick_configs(gemv_gpu_configs, triton.Config({"BLOCK_N": 32, "BLOCK_K": 64},
+                                                                 num_warps=1, num_stages=1)),
+    key=_DECODE_KEY, prune_configs_by={"early_config_prune": prune_configs})(int4_gemm_kernel)
 int4_gemm_decode = triton.autotune(
     configs=_common.pick_configs(decode_gpu_configs, triton.Config({"BLOCK_N": 32, "BLOCK_K": 32},
                                                                    num_warps=1, num_stages=1)),
@@ -320,7 +311,8 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     packed, scales = packed.contiguous(), scales.contiguous()
     zeros = zeros.contiguous() if zeros is not None else packed  # a dummy pointer when symmetric
     bias_arg = bias.contiguous() if bias is not None else x2  # never read without HAS_BIAS
-    common = dict(GROUP=group_size, HAS_ZEROS=zeros is not packed, DOT_F32=_common.interpreting()
+    common = dict(GROUP=group_size, SUB=gemv_sub_group(group_size), HAS_ZEROS=zeros is not packed,
+                  DOT_F32=_common.interpreting()
                   and x.dtype == torch.bfloat16)
     strides = (x2.stride(0), packed.stride(0), scales.stride(0), zeros.stride(0))
     if m > DECODE_MAX_M:
@@ -332,14 +324,15 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     per_split = triton.cdiv(groups, splits) * group_size
     splits = triton.cdiv(k, per_split)  # no empty split programs
     block_m = 1 if m == 1 else 16  # GEMV on FMA, else one MMA tile (see the module docstring)
+    decode = int4_gemm_gemv if m == 1 else int4_gemm_decode
     grid = lambda meta: (1, triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731
     if splits == 1:
-        int4_gemm_decode[grid](x2, packed, scales, zeros, bias_arg, o2, m, n, k, per_split, *strides, o2.stride(0),
+        decode[grid](x2, packed, scales, zeros, bias_arg, o2, m, n, k, per_split, *strides, o2.stride(0),
                                HAS_BIAS=bias is not None, SPLIT=False, BLOCK_M=block_m, **common)
         return out
     # fp32 partials reduced on the device by a second kernel (bias and cast fused into it).
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    int4_gemm_decode[grid](x2, packed, scales, zeros, bias_arg, partial, m, n, k, per_split, *strides, n,
+    decode[grid](x2, packed, scales, zeros, bias_arg, partial, m, n, k, per_split, *strides, n,
                            HAS_BIAS=False, SPLIT=True, BLOCK_M=block_m, **common)
     block = 128 if _common.interpreting() else REDUCE_BLOCK
     int4_splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -348,30 +341,44 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     return out
 
 
+GEMV_SPEC = "decode M=1 split-K, 4 groups a step"
+
+
+def tuning_groups(hip: bool) -> list[tuple[str, list[triton.Config]]]:
+    """registry.tuning_specs builds each MMA config on the prefill spec and each grouped GEMV
+    tile on the GEMV spec: every config either autotuner may pick at group 32."""
+    return [("prefill 128x128x32", gpu_configs(hip)), (GEMV_SPEC, grouped_gemv_configs(hip))]
+
+
 def aot_specs(name: str, warp: int) -> list[dict]:
     """fp16, group 32, symmetric, K = N = 4096 (a Llama-7B projection) as the JIT sees them:
     prefill on 128x128 MMA tiles (first: registry.tuning_specs builds every config on it),
-    decode of 16 rows on MMA and of one token (GEMV on FMA, split over K) with the vendor's
-    first decode config, and the split-K reduction."""
+    decode of 16 rows on MMA with the vendor's first decode config, one token (GEMV on FMA,
+    split over K) with the first grouped tile and with the first one-group tile, and the
+    split-K reduction."""
     sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*fp16",
            "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_sn": "i32", "stride_zn": "i32", "stride_om": "i32"}
-    base = {"GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": False, "DOT_F32": False}
+    base = {"GROUP": 32, "SUB": 32, "HAS_ZEROS": False, "HAS_BIAS": False, "DOT_F32": False}
     divisible = ("N", "K", "k_per_split", "stride_xm", "stride_wn", "stride_om")
     hip = warp == 64
     first_prefill = prefill_gpu_configs(hip)[1]  # the BLOCK_K = 32 128x128 tile: fits group 32
     prefill = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=first_prefill.num_warps,
                    num_stages=first_prefill.num_stages,
                    constexprs={**base, "SPLIT": False, **first_prefill.kwargs}, label="prefill 128x128x32")
-    dec = prune_configs(decode_gpu_configs(hip), {"GROUP": 32, "BLOCK_M": 1}, warp=warp)[0]  # what group 32 runs
+    dec = prune_configs(decode_gpu_configs(hip), {"GROUP": 32, "BLOCK_M": 16}, warp=warp)[0]  # group 32, one group a step
     decode16 = dict(fn=int4_gemm_kernel, signature=sig, divisible=divisible, num_warps=dec.num_warps,
                     num_stages=dec.num_stages, constexprs={**base, "SPLIT": False, "BLOCK_M": 16, **dec.kwargs},
                     label="decode M=16")
+    grouped = gemv_gpu_configs(hip)[0]  # the GEMV's first tile: whole groups a step
     gemv = dict(fn=int4_gemm_kernel, signature={**sig, "out_ptr": "*fp32"}, divisible=divisible,
-                num_warps=dec.num_warps, num_stages=dec.num_stages,
-                constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **dec.kwargs}, label="decode M=1 split-K")
+                num_warps=grouped.num_warps, num_stages=grouped.num_stages,
+                constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **grouped.kwargs},
+                label=GEMV_SPEC)
+    in_group = dict(gemv, num_warps=dec.num_warps, num_stages=dec.num_stages,
+                    constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **dec.kwargs}, label="decode M=1 split-K")
     reduce = dict(fn=int4_splitk_reduce_kernel, signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16",
                                                            "MN": "i32", "N": "i32", "splits": "i32"},
                   divisible=("MN", "N"), num_warps=REDUCE_WARPS * 32 // warp, num_stages=1,
                   constexprs={"HAS_BIAS": False, "BLOCK": REDUCE_BLOCK}, label="split-K reduce")
-    return [prefill, decode16, gemv, reduce]
+    return [prefill, decode16, gemv, in_group, reduce]

@@ -114,9 +114,31 @@ def test_prune_keeps_block_k_dividing_the_group():
 def test_gemv_tiles_give_each_lane_a_128_bit_load(hip, warp):
     # One token: every decode tile hands each lane of a 32-wide warp / 64-wide wavefront
     # at least 16 bytes of packed weight per step, so its codes can be one vector load.
-    for c in int4_gemm.decode_gpu_configs(hip):
+    for c in int4_gemm.gemv_gpu_configs(hip):  # the grouped tiles and the MMA decode tiles
         bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
         assert int4_gemm.gemv_bytes_per_thread(bn, bk, c.num_warps, warp) >= 16, c
+    grouped = int4_gemm.grouped_gemv_configs(hip)
+    # The grouped tiles: four 128-bit loads per thread a step, the bytes in flight HBM needs.
+    assert grouped and all(int4_gemm.gemv_bytes_per_thread(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+                                                            warp) == 64 for c in grouped)
+
+
+def test_prune_gives_the_gemv_whole_group_steps_and_the_mma_tiles_none():
+    configs = int4_gemm.gemv_gpu_configs(hip=False)
+    gemv = int4_gemm.prune_configs(configs, {"GROUP": 32, "BLOCK_M": 1})
+    assert {c.kwargs["BLOCK_K"] for c in gemv} == {32, 64, 128, 256}
+    mma = int4_gemm.prune_configs(configs, {"GROUP": 32, "BLOCK_M": 16})
+    assert {c.kwargs["BLOCK_K"] for c in mma} == {32}
+
+
+@pytest.mark.parametrize("k,group,split_k", [(160, 32, 2), (160, 32, 3), (96, 16, 2), (200, 64, 1), (256, 128, 2)])
+def test_gemv_steps_of_whole_groups_stop_at_their_split(k, group, split_k):
+    # The interpreter's GEMV tile steps over 64 k: two groups of 32, four of 16, or two
+    # sub-groups of 32 inside a group of 64 or 128; a split of 3 groups of 32 ends inside a
+    # step, so its second group must not be read twice.
+    assert int4_gemm.int4_gemm_gemv.configs[0].kwargs["BLOCK_K"] == 64
+    check(1, 40, k, group, torch.float32, symmetric=False, bias=True, split_k=split_k)
+    check(1, 40, k, group, torch.bfloat16, split_k=split_k)
 
 
 def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
@@ -173,7 +195,8 @@ def test_builds_ahead_of_time(builds, arch):
     assert r["problems"] == []
     warp = aot.ARCHS[arch][2]
     hip = warp == 64
-    n_tuning = len(int4_gemm.prune_configs(int4_gemm.gpu_configs(hip), {"GROUP": 32}))
+    n_tuning = (len(int4_gemm.prune_configs(int4_gemm.gpu_configs(hip), {"GROUP": 32}))
+                + len(int4_gemm.prune_configs(int4_gemm.grouped_gemv_configs(hip), {"GROUP": 32, "BLOCK_M": 1})))
     assert len(r["functions"]) == len(int4_gemm.aot_specs("int4_gemm", warp)) + n_tuning
     for f in r["functions"]:
         assert f["registers"] and f["spills"] == 0, f"{f['label'] or 'spec'} on {arch} spills {f['spills']} bytes"
@@ -184,8 +207,8 @@ def test_builds_ahead_of_time(builds, arch):
     # The representative builds (GEMV, MMA paths, reduction) load in 128-bit vectors on every
     # arch: the weight bytes carry no per-k mask on the group-aligned path.
     specs = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16", "decode M=1 split-K",
-                                                            "split-K reduce")]
-    assert len(specs) == 4 and all(f["bits"] >= 128 for f in specs), specs
+                                                            "decode M=1 split-K, 4 groups a step", "split-K reduce")]
+    assert len(specs) == 5 and all(f["bits"] >= 128 for f in specs), specs
     if not hip:  # the MMA paths' weight and x loads are software-pipelined: cp.async stages in flight
         mma = [f for f in specs if f["label"] in ("prefill 128x128x32", "decode M=16")]
         assert all(f["async_copies"] > 0 for f in mma), mma
