@@ -207,17 +207,34 @@ class OrtRunner:
         self.notes += [f"export: {f['where']}: {f['reason']}" for f in self.export_result.fallbacks]
 
     def _export_decoder(self, input_ids: Tensor) -> None:
-        from graphopt.backends.onnxruntime import tool
+        from graphopt.backends.onnxruntime import decoder_cache, tool
         from graphopt.backends.onnxruntime.inplace_cache import export_decoder
         from graphopt.backends.onnxruntime.session import create_session
 
         config = tool.pipeline_options(self.config, self.config.int4)
         timer = tool.Timer(None)
+        with timer("cache key"):
+            key = decoder_cache.decoder_key(self.model, config.to_dict()) if decoder_cache.cache_dir() else None
+        kept = decoder_cache.lookup(key) if key else None
+        if kept is not None:
+            try:
+                with timer("session"):
+                    self.decoder = InPlaceSession(create_session(str(kept), "cpu", arena=False))
+                self.export_result = tool.ExportResult([], timer.seconds, [], [])
+                self.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
+                return
+            except Exception as error:  # a damaged entry: export again and replace it
+                decoder_cache.drop(key)
+                self.notes.append(f"the kept decoder in {kept.parent} did not load ({type(error).__name__}); "
+                                  "exported again")
         model, result = export_decoder(self.model, _export_prompt(input_ids), config, timer)
         with timer("session"):
             # No arena: the cache lives in torch's buffers, and an arena would keep the largest
             # prompt's activations for the session's life.
             self.decoder = InPlaceSession(create_session(model, "cpu", arena=False))
+        if key:
+            with timer("cache store"):
+                self.notes.append(decoder_cache.store(key, model)[1])
         self.export_result = tool.ExportResult([], timer.seconds, [r.to_dict() for r in result.records],
                                                result.fallbacks)
 
