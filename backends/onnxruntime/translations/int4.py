@@ -48,13 +48,22 @@ ACCURACY_LEVEL = 4
 HEAD_GEMM_ROWS: int | None = 16
 
 
+def _typed(codes, shape: list[int]):
+    """The codes' Reshape with its type stated: uint8 in, uint8 out. Without it onnx-ir prints
+    "The value type for shape [N, G, ...] is not known" for every packed weight each time the
+    model is serialized."""
+    codes.type, codes.shape = ir.TensorType(ir.DataType.UINT8), ir.Shape(shape)
+    return codes
+
+
 def int4_linear(x, packed, scales, zeros, group_size: int, bias=None):
     if group_size < 16 or group_size & (group_size - 1):
         raise UnsupportedOp("graphopt.int4_linear", f"MatMulNBits needs a power-of-two block >= 16, got {group_size}")
     n, groups, k = static_dim(scales, 0), static_dim(scales, 1), static_dim(x, -1)
     if n is None or groups is None or k is None:
         raise UnsupportedOp("graphopt.int4_linear", "MatMulNBits needs static N, K and group counts")
-    b = op.Reshape(packed, op.Constant(value=ir.tensor([n, groups, group_size // 2], dtype=ir.DataType.INT64)))
+    b = _typed(op.Reshape(packed, op.Constant(value=ir.tensor([n, groups, group_size // 2], dtype=ir.DataType.INT64))),
+               [n, groups, group_size // 2])
     inputs = [x, b, cast_to(scales, x.dtype), zeros, None, cast_to(bias, x.dtype) if bias is not None else None]
     while inputs[-1] is None:  # trailing optional inputs are left out, middle ones stay as ""
         inputs.pop()
@@ -70,7 +79,8 @@ def int8_linear(x, qweight, scales, group_size: int, bias=None):
     n, groups, k = static_dim(scales, 0), static_dim(scales, 1), static_dim(x, -1)
     if n is None or groups is None or k is None:
         raise UnsupportedOp("graphopt.int8_linear", "MatMulNBits needs static N, K and group counts")
-    b = op.Reshape(qweight, op.Constant(value=ir.tensor([n, groups, group_size], dtype=ir.DataType.INT64)))
+    b = _typed(op.Reshape(qweight, op.Constant(value=ir.tensor([n, groups, group_size], dtype=ir.DataType.INT64))),
+               [n, groups, group_size])
     scales, bias = cast_to(scales, x.dtype), cast_to(bias, x.dtype) if bias is not None else None
 
     def nbits(graph_op):
