@@ -11,8 +11,8 @@ graphopt options, graphopt's own source files and the versions of torch, transfo
 onnxscript, onnx-ir and onnxruntime. A stale entry is therefore never found, only left
 behind; the least recently used entries go once the folder holds more than ``KEEP_BYTES``.
 
-Where: ``$GRAPHOPT_CACHE_DIR/decoders`` (default ``~/.cache/graphopt/decoders``);
-``GRAPHOPT_CACHE_DIR=off`` turns the cache off. An entry that cannot be read is exported
+Where: ``decoders/`` under graphopt's cache root (graphopt/cache_root.py: default
+``~/.cache/graphopt``; ``GRAPHOPT_CACHE_DIR=off`` turns it off). An entry that cannot be read is exported
 again and replaced; a cache that cannot be written is skipped with a note, never an error.
 """
 
@@ -29,18 +29,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from graphopt.cache_root import cache_root, evict_lru
+
 KEEP_BYTES = 4 << 30
 FORMAT = 1  # bump when an entry's layout changes
 _PACKAGES = ("torch", "transformers", "onnx", "onnxscript", "onnx-ir", "onnxruntime")
 
 
 def cache_dir() -> Path | None:
-    """The decoders folder, or None when ``GRAPHOPT_CACHE_DIR=off``."""
-    root = os.environ.get("GRAPHOPT_CACHE_DIR")
-    if root is not None and root.strip().lower() in ("off", "0", "none", ""):
-        return None
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphopt"
-    return base / "decoders"
+    """The decoders folder, or None when ``GRAPHOPT_CACHE_DIR=off`` (graphopt/cache_root.py)."""
+    root = cache_root()
+    return root / "decoders" if root is not None else None
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,7 +72,10 @@ def decoder_key(model: nn.Module, options: dict) -> str:
     h.update(f"format={FORMAT};code={_code_fingerprint()};".encode())
     h.update(f"{type(model).__module__}.{type(model).__qualname__};".encode())
     config = getattr(model, "config", None)
-    h.update(repr(config.to_dict() if hasattr(config, "to_dict") else config).encode())
+    if hasattr(config, "to_dict"):  # where it was loaded from and how it was stored do not shape the model
+        config = {k: v for k, v in config.to_dict().items()
+                  if not k.startswith("_") and k not in ("quantization_config", "transformers_version")}
+    h.update(repr(config).encode())
     h.update(repr(sorted(options.items())).encode())
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -106,7 +108,7 @@ def store(key: str, onnx_model) -> tuple[Path | None, str]:
             staging.rename(final)  # atomic: a reader never sees half an entry
         except OSError:  # another process stored it first: theirs is the same model
             shutil.rmtree(staging, ignore_errors=True)
-        _evict(folder, keep=final)
+        evict_lru(folder, final, KEEP_BYTES)
         return final / "model.onnx", f"kept the exported decoder in {final}"
     except OSError as error:
         return None, f"could not keep the exported decoder in {folder}: {error}"
@@ -117,15 +119,3 @@ def drop(key: str) -> None:
     folder = cache_dir()
     if folder is not None:
         shutil.rmtree(folder / key, ignore_errors=True)
-
-
-def _evict(folder: Path, keep: Path) -> None:
-    """Least recently used entries first, until the folder holds at most KEEP_BYTES (``keep`` stays)."""
-    entries = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
-    sizes = {p: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in entries}
-    total = sum(sizes.values()) + sum(f.stat().st_size for f in keep.rglob("*") if f.is_file())
-    for entry in sorted(entries, key=lambda p: p.stat().st_mtime):
-        if total <= KEEP_BYTES:
-            break
-        shutil.rmtree(entry, ignore_errors=True)
-        total -= sizes[entry]

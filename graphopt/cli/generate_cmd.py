@@ -43,9 +43,9 @@ def generate(
 
     Greedy decoding; a row stops at the tokenizer's end-of-sequence token, a --stop string, or
     --max-new-tokens. Target auto picks onnxruntime on a CPU machine (exported prefill and
-    decode models), triton on a GPU. The onnxruntime decoder is kept in
-    ~/.cache/graphopt/decoders for the next run on the same weights and options
-    (GRAPHOPT_CACHE_DIR=DIR moves it, GRAPHOPT_CACHE_DIR=off turns it off).
+    decode models), triton on a GPU. The onnxruntime decoder and a .gguf's converted model
+    are kept in ~/.cache/graphopt for the next run on the same weights and options
+    (GRAPHOPT_CACHE_DIR=DIR moves them, GRAPHOPT_CACHE_DIR=off turns them off).
 
     Example: graphopt generate model.gguf --prompt "The capital of France is" --max-new-tokens 24
     Example: graphopt generate ./SmolLM2 --chat -p "Name three rivers." -p "Hi" --target eager --json

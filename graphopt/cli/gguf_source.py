@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from graphopt.cli.gguf_cache import load_or_convert, save_dequantized
 from graphopt.cli.hf_source import OutputOnly, import_transformers
 from graphopt.cli.source_common import LoadedModel, first_line
 from graphopt.errors import ModelLoadError
@@ -23,8 +24,12 @@ def gguf_packages() -> None:
 def from_gguf(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype) -> LoadedModel:
     transformers = import_transformers()
     gguf_packages()
+    auto = transformers.AutoModelForCausalLM
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+        # Converted once, then read from its kept checkpoint folder (graphopt/cli/gguf_cache.py).
+        model = load_or_convert(path, "model", dtype,
+                                lambda: auto.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype),
+                                lambda folder: auto.from_pretrained(folder, dtype=dtype), save_dequantized)
     except Exception as exc:  # an architecture transformers cannot dequantize, a damaged file
         raise ModelLoadError(f"transformers {transformers.__version__} cannot load {path} ({first_line(exc)}); "
                              "check the file, or convert it to a safetensors checkpoint") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from graphopt.cli.gguf_cache import load_or_convert
 from graphopt.cli.model_source import _first_line, _transformers, gguf_packages
 from graphopt.errors import ModelLoadError
 
@@ -32,8 +33,13 @@ def load_tokenizer(spec: str) -> Any:
         raise ModelLoadError(f"{spec} has no tokenizer: pass a .gguf file or a checkpoint directory with "
                              "tokenizer.json (built-in models have random weights and no vocabulary)")
     transformers = _transformers()
+    auto = transformers.AutoTokenizer
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), **where)
+        if where:  # a .gguf: converted once, then read from its kept folder (graphopt/cli/gguf_cache.py)
+            tokenizer = load_or_convert(path, "tokenizer", None, lambda: auto.from_pretrained(str(folder), **where),
+                                        auto.from_pretrained)
+        else:
+            tokenizer = auto.from_pretrained(str(folder))
     except Exception as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {spec} ({_first_line(exc)}); check its tokenizer files") \
             from None

@@ -1,0 +1,32 @@
+"""Where graphopt keeps what it can reuse across processes (exported decoders, converted .gguf
+files): ``$GRAPHOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphopt``, else ``~/.cache/graphopt``;
+``GRAPHOPT_CACHE_DIR=off`` (or ``0``, ``none``, empty) turns every such cache off."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def cache_root() -> Path | None:
+    root = os.environ.get("GRAPHOPT_CACHE_DIR")
+    if root is not None and root.strip().lower() in ("off", "0", "none", ""):
+        return None
+    return Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "graphopt"
+
+
+def evict_lru(folder: Path, keep: Path, keep_bytes: int) -> None:
+    """Remove ``folder``'s entries (sub-folders), least recently used first (by modification
+    time: readers touch what they use), until it holds at most ``keep_bytes``; ``keep`` stays."""
+    def size(entry: Path) -> int:
+        return sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+
+    entries = [p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p != keep]
+    sizes = {p: size(p) for p in entries}
+    total = sum(sizes.values()) + (size(keep) if keep.exists() else 0)
+    for entry in sorted(entries, key=lambda p: p.stat().st_mtime):
+        if total <= keep_bytes:
+            break
+        shutil.rmtree(entry, ignore_errors=True)
+        total -= sizes[entry]
