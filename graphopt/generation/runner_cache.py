@@ -19,12 +19,14 @@ Each model keeps its runners in an attribute, so they live exactly as long as th
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import torch
 from torch import nn
 
 from graphopt.config import Options
@@ -52,9 +54,21 @@ class _Runners:
 
 
 def weights_key(model: nn.Module) -> tuple:
-    """What the compiled runner baked in: every parameter and buffer (address, version, dtype)."""
+    """What the compiled runner baked in: every parameter and buffer (address, version, dtype).
+
+    A tensor made under ``torch.inference_mode`` has no version counter; its in-place edits
+    (only possible in inference mode) go unseen, so such a model's key holds a hash of its
+    values instead of versions."""
     tensors = [*model.parameters(), *model.buffers()]
-    return (model.training, tuple((t.data_ptr(), t._version, t.dtype, t.device.type) for t in tensors))
+    return (model.training, tuple((t.data_ptr(), _version(t), t.dtype, t.device.type) for t in tensors))
+
+
+def _version(t) -> int | str:
+    if not t.is_inference():
+        return t._version
+    flat = t.detach().reshape(-1)
+    return hashlib.blake2b(flat.cpu().view(torch.uint8).numpy().data if flat.numel() else b"",
+                           digest_size=8).hexdigest()
 
 
 def _holder(model: nn.Module) -> _Runners:

@@ -115,3 +115,16 @@ def test_the_onnxruntime_runner_serves_every_prompt_length_and_max_length(model)
     out = graphopt.generate(model, _ids(9), 6, options=ort, max_length=64)
     assert out.compiles == 0 and out.compile_s == 0.0
     assert torch.equal(out.sequences, eager_generate(model, _ids(9), 6).sequences)
+
+
+def test_a_model_made_in_inference_mode_is_keyed_by_its_values():
+    # Inference tensors have no version counter: the key hashes their values instead.
+    from graphopt.generation.runner_cache import weights_key
+
+    with torch.inference_mode():
+        model = models.build("llama-tiny").eval()
+    before = weights_key(model)
+    assert weights_key(model) == before
+    with torch.inference_mode():
+        model.lm_head.weight.mul_(-1.0)  # in place: same address, no version to bump
+    assert weights_key(model) != before
