@@ -92,7 +92,8 @@ def run_graphopt(model, ids, mask, new: int, target: str, int4: bool) -> dict:
     wall = time.perf_counter() - start
     note = out.fallback or "; ".join(out.notes)
     return {"prefill_ms": out.prefill_ms, "ms": statistics.median(out.ms_per_token), "tokens": out.new_tokens,
-            "setup_s": out.compile_s or wall, "decoded_on": out.target, "note": note}
+            # wall: a fallback's time went to the build that failed; a reused runner's setup is 0
+            "setup_s": wall if out.fallback else out.compile_s, "decoded_on": out.target, "note": note}
 
 
 class LlamaCppRunner:
