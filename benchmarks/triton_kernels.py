@@ -307,15 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         tflops = f"{case.flops / (dev_ms * 1e-3) / 1e12:.1f}" if case.flops else "-"
         table.add_row(case.name, case.shape, f"{dev_ms:.4f}", f"{t_ms:.4f}", f"{launch_us:.0f}", f"{ref_ms:.3f}",
                       f"{ref_ms / t_ms:.2f}x", f"{bw / 1e9:.0f}", f"{bw / peak:.2f}", tflops)
-        record(dict(section="kernels", name=case.name, shape=case.shape, device_ms=dev_ms, triton_ms=t_ms,
-                    host_us=launch_us, torch_ms=ref_ms, of_copy_bw=bw / peak,
-                    launched_of_copy_bw=case.bytes_moved / (t_ms * 1e-3) / peak))
-        log(f"{case.name} {case.shape}: device {dev_ms:.4f} ms ({bw / peak:.2f} of copy bandwidth), "
-            f"launched {t_ms:.4f} ms, host {launch_us:.0f} us")
-        if case.name == "int4_gemm":
+        config = ""
+        if case.name == "int4_gemm":  # which tile won: the grouped GEMV tiles have not been timed before
             from graphopt.backends.triton.kernels import int4_gemm
             tuner = int4_gemm.int4_gemm_gemv if case.shape.startswith("GEMV") else int4_gemm.int4_gemm_decode
-            log(f"  int4_gemm config: {getattr(tuner, 'best_config', None)}")
+            best = getattr(tuner, "best_config", None)
+            config = f"{best.kwargs} w{best.num_warps} s{best.num_stages}" if best is not None else ""
+        record(dict(section="kernels", name=case.name, shape=case.shape, device_ms=dev_ms, triton_ms=t_ms,
+                    host_us=launch_us, torch_ms=ref_ms, of_copy_bw=bw / peak,
+                    launched_of_copy_bw=case.bytes_moved / (t_ms * 1e-3) / peak, config=config))
+        log(f"{case.name} {case.shape}: device {dev_ms:.4f} ms ({bw / peak:.2f} of copy bandwidth), "
+            f"launched {t_ms:.4f} ms, host {launch_us:.0f} us {config}")
     del copies
     torch.cuda.empty_cache()
     Console().print(table)

@@ -87,7 +87,7 @@ for r in json.load(open(bench)) if os.path.exists(bench) else []:
         t.add_row("kernels", f"{r['name']} {r['shape']}",
                   f"{r['of_copy_bw']:.2f} of copy BW on the device ({r['device_ms'] * 1e3:.1f} us); launched "
                   f"{r['triton_ms'] * 1e3:.1f} us ({r['launched_of_copy_bw']:.2f}), host {r['host_us']:.0f} us; "
-                  f"torch {r['torch_ms'] * 1e3:.0f} us", goal)
+                  f"torch {r['torch_ms'] * 1e3:.0f} us" + (f"; tile {r['config']}" if r.get("config") else ""), goal)
     elif r["section"] == "device":
         t.add_row("device", r["name"], f"copy {r['copy_gb_s']:.0f} GB/s", "")
     else:
