@@ -4,9 +4,12 @@ files): ``$GRAPHOPT_CACHE_DIR``, else ``$XDG_CACHE_HOME/graphopt``, else ``~/.ca
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
+import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path | None:
@@ -30,3 +33,34 @@ def evict_lru(folder: Path, keep: Path, keep_bytes: int) -> None:
             break
         shutil.rmtree(entry, ignore_errors=True)
         total -= sizes[entry]
+
+
+def write_entry(final: Path, write: Callable[[Path], None]) -> str | None:
+    """Make the folder ``final`` with ``write(staging)`` into a staging folder beside it, then one
+    rename, so a reader never sees half an entry. If another process made it first, theirs
+    stays (the same key means the same content). Returns None, or why nothing was kept: a
+    cache that cannot be written (full disk, read-only home) must never fail the caller."""
+    staging = None
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{final.name[:8]}-", dir=final.parent))
+        write(staging)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not final.is_dir():
+                raise
+        return None
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        if staging is not None and staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def package_version(name: str) -> str:
+    """The installed version of ``name``, or "none": part of keys whose content a package shapes."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"

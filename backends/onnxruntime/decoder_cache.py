@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from graphopt.cache_root import cache_root, evict_lru
+from graphopt.cache_root import cache_root, evict_lru, package_version, write_entry
 
 KEEP_BYTES = 4 << 30
 FORMAT = 1  # bump when an entry's layout changes
@@ -49,10 +47,7 @@ def _code_fingerprint() -> str:
 
     h = hashlib.blake2b(digest_size=16)
     for name in _PACKAGES:
-        try:
-            h.update(f"{name}={importlib.metadata.version(name)};".encode())
-        except importlib.metadata.PackageNotFoundError:
-            h.update(f"{name}=none;".encode())
+        h.update(f"{name}={package_version(name)};".encode())
     roots = [Path(graphopt.__file__).parent, Path(graphopt.passes.__file__).parent,
              Path(graphopt.backends.__file__).parent, Path(graphopt.models.__file__).parent]
     for root in roots:
@@ -99,19 +94,12 @@ def store(key: str, onnx_model) -> tuple[Path | None, str]:
     folder = cache_dir()
     if folder is None:
         return None, "the decoder cache is off (GRAPHOPT_CACHE_DIR=off)"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{key[:8]}-", dir=folder))
-        onnx_model.save(staging / "model.onnx")
-        final = folder / key
-        try:
-            staging.rename(final)  # atomic: a reader never sees half an entry
-        except OSError:  # another process stored it first: theirs is the same model
-            shutil.rmtree(staging, ignore_errors=True)
-        evict_lru(folder, final, KEEP_BYTES)
-        return final / "model.onnx", f"kept the exported decoder in {final}"
-    except OSError as error:
-        return None, f"could not keep the exported decoder in {folder}: {error}"
+    final = folder / key
+    problem = write_entry(final, lambda staging: onnx_model.save(staging / "model.onnx"))
+    if problem:
+        return None, f"could not keep the exported decoder in {folder}: {problem}"
+    evict_lru(folder, final, KEEP_BYTES)
+    return final / "model.onnx", f"kept the exported decoder in {final}"
 
 
 def drop(key: str) -> None:

@@ -18,27 +18,18 @@ skipped: the .gguf is then read as before.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from graphopt.cache_root import cache_root, evict_lru
+from graphopt.cache_root import cache_root, evict_lru, package_version, write_entry
 
 log = logging.getLogger("graphopt")
 
 FORMAT = 1
 KEEP_BYTES = 8 << 30  # converted files, least recently used first (a 135M model in fp32 is 0.5 GB)
-
-
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
 
 
 def part_dir(path: Path, part: str, dtype: Any = None) -> Path | None:
@@ -49,7 +40,7 @@ def part_dir(path: Path, part: str, dtype: Any = None) -> Path | None:
     stat = path.resolve().stat()
     key = hashlib.blake2b(digest_size=16)
     key.update(f"{FORMAT};{path.resolve()};{stat.st_size};{stat.st_mtime_ns};{dtype};"
-               f"transformers={_version('transformers')};gguf={_version('gguf')}".encode())
+               f"transformers={package_version('transformers')};gguf={package_version('gguf')}".encode())
     return root / "gguf" / key.hexdigest() / part
 
 
@@ -84,18 +75,9 @@ def load_or_convert(path: Path, part: str, dtype: Any, read_gguf: Callable[[], A
 
 
 def _save(obj: Any, folder: Path, save: Callable[[Any, str], None]) -> None:
-    staging = None
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        save(obj, str(staging))
-        try:
-            staging.rename(folder)
-        except OSError:  # another process kept it first
-            shutil.rmtree(staging, ignore_errors=True)
-        os.utime(folder.parent)
-        evict_lru(folder.parent.parent, folder.parent, KEEP_BYTES)
-    except Exception as error:  # a full disk or a read-only home: the next run reads the .gguf again
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        log.info("graphopt: could not keep the converted .gguf in %s (%s)", folder, error)
+    problem = write_entry(folder, lambda staging: save(obj, str(staging)))
+    if problem:  # the next run reads the .gguf again
+        log.info("graphopt: could not keep the converted .gguf in %s (%s)", folder, problem)
+        return
+    os.utime(folder.parent)
+    evict_lru(folder.parent.parent, folder.parent, KEEP_BYTES)

@@ -91,3 +91,16 @@ def test_least_recently_used_entries_go_over_the_size_limit(cache, monkeypatch, 
         assert path is not None, note
     assert sorted(p.name for p in cache.iterdir()) == ["b", "c"]  # "a" was the least recently used
     assert decoder_cache.lookup("b") is not None and decoder_cache.lookup("a") is None
+
+
+def test_a_decoder_that_cannot_be_kept_still_decodes(cache, model, monkeypatch):
+    from graphopt.backends.onnxruntime.export import OnnxModel
+
+    def refuse(self, path):
+        raise ValueError("planted: cannot serialize")
+
+    monkeypatch.setattr(OnnxModel, "save", refuse)
+    out = _decode(model)
+    assert any("could not keep the exported decoder" in n and "planted" in n for n in out.notes), out.notes
+    assert torch.equal(out.sequences, eager_generate(model, IDS, 5).sequences)
+    assert not any(cache.iterdir())  # no half-written staging folder left behind
