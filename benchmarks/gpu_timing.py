@@ -26,22 +26,21 @@ import torch
 
 def graph_ms(fns: list[Callable[[], object]], rounds: int = 4, replays: int = 10) -> float:
     """Device milliseconds per call: ``rounds`` passes over ``fns`` (one per input copy) captured
-    in one CUDA graph, replayed ``replays`` times; the median replay over the calls in it."""
+    in one CUDA graph (graphopt's own capture: a warm-up run on a side stream first), replayed
+    ``replays`` times; the median replay over the calls in it."""
+    from graphopt.cuda_graphs import TorchGraphs
+
     for fn in fns:  # compile, autotune and allocate outside the capture
         fn()
     torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls() -> None:
         for _ in range(rounds):
             for fn in fns:
                 fn()
-    return replay_ms(graph.replay, replays) / (rounds * len(fns))
+
+    replay, _ = TorchGraphs().capture(calls, [])
+    return replay_ms(replay, replays) / (rounds * len(fns))
 
 
 def replay_ms(replay: Callable[[], None], replays: int = 10) -> float:
