@@ -11,6 +11,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 
 def cache_root() -> Path | None:
     root = os.environ.get("GRAPHOPT_CACHE_DIR")
@@ -64,3 +66,8 @@ def package_version(name: str) -> str:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return "none"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A tensor's bytes as they lie (any dtype, bfloat16 too), for hashing its values into a key."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data

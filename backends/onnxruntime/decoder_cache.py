@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphopt.cache_root import cache_root, evict_lru, package_version, write_entry
+from graphopt.cache_root import cache_root, evict_lru, package_version, tensor_bytes, write_entry
 
 KEEP_BYTES = 4 << 30
 FORMAT = 1  # bump when an entry's layout changes
@@ -75,7 +75,7 @@ def decoder_key(model: nn.Module, options: dict) -> str:
     with torch.no_grad():
         for name, t in model.state_dict().items():
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            h.update(tensor_bytes(t))
     return h.hexdigest()
 
 

@@ -26,9 +26,9 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-import torch
 from torch import nn
 
+from graphopt.cache_root import tensor_bytes
 from graphopt.config import Options
 
 ATTRIBUTE = "_graphopt_generate_runners"
@@ -66,9 +66,7 @@ def weights_key(model: nn.Module) -> tuple:
 def _version(t) -> int | str:
     if not t.is_inference():
         return t._version
-    flat = t.detach().reshape(-1)
-    return hashlib.blake2b(flat.cpu().view(torch.uint8).numpy().data if flat.numel() else b"",
-                           digest_size=8).hexdigest()
+    return hashlib.blake2b(tensor_bytes(t), digest_size=8).hexdigest()
 
 
 def _holder(model: nn.Module) -> _Runners:
