@@ -29,8 +29,8 @@ from graphopt.ops.moe import moe_sparse
 from graphopt.ops.moe_int4 import int4_moe_sparse
 
 DIRECT_OPS = ("graphopt.attention", "graphopt.cache_attention", "graphopt.kv_cache_update",
-              "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope", "graphopt.qkv_proj", "graphopt.swiglu",
-              "graphopt.moe", "graphopt.int4_moe")
+              "graphopt.rope_kv_cache_update", "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope",
+              "graphopt.qkv_proj", "graphopt.swiglu", "graphopt.moe", "graphopt.int4_moe")
 
 
 def _eager_function(op) -> Callable:

@@ -48,6 +48,11 @@ def _kv_cache_update(cache, new, pos):
     return cache * 1  # the op mutates its cache: return what it wrote
 
 
+def _rope_kv_cache_update(q, k, v, cos, sin, k_cache, v_cache, pos):
+    q_rot = g.rope_kv_cache_update(q, k, v, cos, sin, k_cache, v_cache, pos)
+    return q_rot, k_cache * 1, v_cache * 1  # the rotated query and what the op wrote
+
+
 _r = nonzero_random
 OP_CASES = {
     "rms_norm": ("graphopt.rms_norm", lambda x, w: g.rms_norm(x, w, 1e-6), (_r(2, 3, 40), _r(40))),
@@ -76,6 +81,9 @@ OP_CASES = {
                  (_r(2, 5, 24), _r(32, 24), _r(32))),
     "kv_cache_update": ("graphopt.kv_cache_update", _kv_cache_update,
                         (_r(1, 2, 9, 16), _r(1, 2, 3, 16), torch.tensor(4))),
+    "rope_kv_cache_update": ("graphopt.rope_kv_cache_update", _rope_kv_cache_update,
+                             (_r(1, 4, 3, 24), _r(1, 2, 3, 24), _r(1, 2, 3, 24), _r(1, 3, 16), _r(1, 3, 16),
+                              _r(1, 2, 9, 24), _r(1, 2, 9, 24), torch.tensor(4))),
     "cache_attention": ("graphopt.cache_attention", lambda q, k, v, n: g.cache_attention(q, k, v, n),
                         (_r(2, 4, 1, 16), _r(2, 2, 9, 16), _r(2, 2, 9, 16), torch.tensor([5, 9]))),
     "int4_linear": ("graphopt.int4_linear", lambda x, packed, scales: g.int4_linear(x, packed, scales, None, 32),

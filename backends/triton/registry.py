@@ -126,6 +126,8 @@ _ENTRIES = [
                 notes="decode over a static cache: split-K bounded by per-row lengths, paged and int8 read in place"),
     KernelEntry("kv_cache_update", "graphopt.kv_cache_update", "kv_cache", "kv_cache_update",
                 notes="in place; bhsd, bshd and paged layouts, int8 with per-token scales"),
+    KernelEntry("rope_kv_cache_update", "graphopt.rope_kv_cache_update", "rope_cache", "rope_kv_cache_update",
+                notes="a decode layer's rope(q), rope(k) and both cache writes in one launch; bhsd and bshd"),
     KernelEntry("int4_gemm", "graphopt.int4_linear", "int4_gemm", "int4_linear",
                 notes="INT4 weight-only; split-K GEMV for M <= 16 rows, MMA tiles above"),
     KernelEntry("moe", "graphopt.moe", "moe", "moe", notes="tokens sorted by expert; gate/up + SwiGLU, then down"),

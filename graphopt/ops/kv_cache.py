@@ -107,6 +107,12 @@ def kv_cache_update(cache: Tensor, new: Tensor, pos: Tensor, layout: str = "bhsd
     cache int8 with per-token, per-head scales (written in place too). Returns nothing: a
     custom op may not return an alias of an input, and readers read ``cache`` itself.
     """
+    write_update(cache, new, pos, layout, block_table, scales)
+
+
+def write_update(cache: Tensor, new: Tensor, pos: Tensor, layout: str = "bhsd", block_table: Tensor | None = None,
+                 scales: Tensor | None = None) -> None:
+    """The reference of ``graphopt.kv_cache_update`` (and of ``graphopt.rope_kv_cache_update``'s writes)."""
     check_update(cache, new, pos, layout, block_table, scales)
     positions = pos.reshape(()).to(device=cache.device, dtype=torch.long) + torch.arange(
         new.shape[2], device=cache.device)

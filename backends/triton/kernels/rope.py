@@ -18,6 +18,34 @@ from . import _common
 
 
 @triton.jit
+def rotate_rows(
+    row,           # [BLOCK_H, 1] pointers to channel 0 of each head's row (unit channel stride)
+    hmask,         # [BLOCK_H, 1] heads that exist
+    cos_row,       # pointer to this token's cos row (unit channel stride); sin_row likewise
+    sin_row,
+    d,             # [BLOCK_D] channel indices
+    head_dim,      # i32 D
+    rot_dim,       # i32 R
+    INTERLEAVED: tl.constexpr,
+):
+    """The rows rotated, [BLOCK_H, BLOCK_D] fp32 (graphopt.ops.rope.apply_rope)."""
+    rotary = d < rot_dim
+    if INTERLEAVED:
+        partner = d ^ 1
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)  # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
+    else:
+        half = rot_dim // 2
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
+    # Past R, cos = 1 and sin = 0 make the formula a pass-through with no branch.
+    c = tl.load(cos_row + d, mask=rotary, other=1.0).to(tl.float32)
+    sn = tl.load(sin_row + d, mask=rotary, other=0.0).to(tl.float32)
+    x = tl.load(row + d[None, :], mask=hmask & (d[None, :] < head_dim), other=0.0).to(tl.float32)
+    xp = tl.load(row + partner[None, :], mask=hmask & rotary[None, :], other=0.0).to(tl.float32)
+    return x * c[None, :] + sign[None, :] * xp * sn[None, :]
+
+
+@triton.jit
 def rope_kernel(
     x_ptr,         # *T [B, H, S, D] input (any strides)
     cos_ptr,       # *C [B or 1, S, R] cos per rotary channel (duplicated halves or repeated pairs)
@@ -39,23 +67,10 @@ def rope_kernel(
     s = (token % seq_len).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
-    rotary = d < rot_dim
-    if INTERLEAVED:
-        partner = d ^ 1
-        sign = tl.where(d % 2 == 0, -1.0, 1.0)  # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s)
-    else:
-        half = rot_dim // 2
-        partner = tl.where(d < half, d + half, d - half)
-        sign = tl.where(d < half, -1.0, 1.0)  # rotate_half = cat(-x2, x1)
-    cs_offs = b * stride_cb + s * stride_cs + d
-    # Past R, cos = 1 and sin = 0 make the formula a pass-through with no branch.
-    c = tl.load(cos_ptr + cs_offs, mask=rotary, other=1.0).to(tl.float32)
-    sn = tl.load(sin_ptr + cs_offs, mask=rotary, other=0.0).to(tl.float32)
+    cs = b * stride_cb + s * stride_cs
     row = x_ptr + b * stride_xb + s * stride_xs + heads[:, None].to(tl.int64) * stride_xh
     hmask = heads[:, None] < n_heads
-    x = tl.load(row + d[None, :], mask=hmask & (d[None, :] < head_dim), other=0.0).to(tl.float32)
-    xp = tl.load(row + partner[None, :], mask=hmask & rotary[None, :], other=0.0).to(tl.float32)
-    out = x * c[None, :] + sign[None, :] * xp * sn[None, :]
+    out = rotate_rows(row, hmask, cos_ptr + cs, sin_ptr + cs, d, head_dim, rot_dim, INTERLEAVED)
     # out is contiguous [B, H, S, D]: token = b * S + s, so its (b, h, s) row starts here.
     dst = out_ptr + ((b * n_heads + heads[:, None].to(tl.int64)) * seq_len + s) * head_dim + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=hmask & (d[None, :] < head_dim))

@@ -81,7 +81,7 @@ def test_load_facts(builds, kernel, arch):
 
 
 ROW_KERNELS = ["rms_norm", "add_rms_norm", "softmax_rms_norm", "layer_norm", "add_layer_norm", "swiglu", "geglu",
-               "bias_gelu", "rope"]
+               "bias_gelu", "rope", "rope_kv_cache_update"]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -44,6 +44,7 @@ def test_lowerings():
     expected = {"graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.softmax_rms_norm",
                 "graphopt.layer_norm", "graphopt.add_layer_norm", "graphopt.swiglu", "graphopt.geglu",
                 "graphopt.bias_gelu", "graphopt.rope", "graphopt.attention", "graphopt.kv_cache_update",
+                "graphopt.rope_kv_cache_update",
                 "graphopt.int4_linear"}
     assert expected <= set(registry.lowered_ops())
     assert registry.lowering("graphopt.attention").__module__.endswith("kernels.attention")
