@@ -38,7 +38,10 @@ from graphopt.targets import resolve_target
 # the attention that reads the cache. ONNX Runtime orders by data dependencies only; its
 # runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder.py).
 IN_PLACE_TARGETS = ("eager", "triton")
-LAST_PASSES = ("static_kv_cache", "cuda_graphs")
+# static_kv_cache makes the cache writes that fuse_rope_kv_cache_update folds rope into;
+# cuda_graphs marks the final ops for capture, so it comes last.
+LAST_PASSES = ("static_kv_cache", "fuse_rope_kv_cache_update", "cuda_graphs")
+OPTIONAL_LAST_PASSES = ("fuse_rope_kv_cache_update", "cuda_graphs")  # without static_kv_cache there is no step
 
 
 @dataclass
@@ -108,10 +111,10 @@ def compile_static_step(adapter: nn.Module, input_ids: Tensor, position_ids: Ten
     layout_config = layout_options(config, max_length)
     # static_kv_cache changes the inputs, so it runs apart from the fusion pipeline (whose
     # numeric checks replay the exported inputs) and always last: no later pass may move a
-    # cache read across its kv_cache_update. Of the two only cuda_graphs may be disabled:
-    # without static_kv_cache there is no step to decode with.
+    # cache read across its kv_cache_update. All but static_kv_cache may be disabled:
+    # without it there is no step to decode with.
     stage = PassManager([get_pass(name) for name in LAST_PASSES], verify=config.verify, fallback=config.fallback,
-                        disabled=[name for name in config.disable_passes if name == "cuda_graphs"])
+                        disabled=[name for name in config.disable_passes if name in OPTIONAL_LAST_PASSES])
     result = stage.run(fused.gm, PassContext(layout_config))
     report.passes = fused.records + result.records
     report.near_misses = fused.near_misses + result.near_misses

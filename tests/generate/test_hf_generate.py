@@ -29,4 +29,5 @@ def test_greedy_tokens_equal_model_generate(hf_llama):
     assert stats["caches"] == 4 and stats["matches"] == 4
     # transformers builds its causal mask from the past length: as positions it became the
     # position input, as sizes max_length; nothing symbolic is left.
-    assert decode.op_counts["graphopt.kv_cache_update"] == 4
+    # Both layers' rotations and K/V writes folded into one op each (fuse_rope_kv_cache_update).
+    assert decode.op_counts["graphopt.rope_kv_cache_update"] == 2 and "graphopt.rope" not in decode.op_counts

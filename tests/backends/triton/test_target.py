@@ -142,7 +142,9 @@ def test_generate_with_a_static_cache_updates_it_with_the_kernel():
     out = graphopt.generate(model, ids, 3, options={"target": "triton", "fallback": "error"})
     ran = ops.calls - before
     assert torch.equal(out.sequences, expected) and out.compiles == 1
-    assert ran[("graphopt.kv_cache_update", "kernel")] == 2 * len(model.layers) * 3  # k and v, 3 steps
+    # One launch per layer writes k (rotated) and v: the prompt and 2 decode steps.
+    assert ran[("graphopt.rope_kv_cache_update", "kernel")] == len(model.layers) * 3
+    assert ("graphopt.kv_cache_update", "kernel") not in ran and ("graphopt.rope", "kernel") not in ran
     assert not any(kind == "reference" for _, kind in ran)
 
 
