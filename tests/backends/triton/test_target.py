@@ -210,6 +210,31 @@ def test_gpu_path_orders_the_in_place_update(monkeypatch, inductor):
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)  # the cache, written in place
 
 
+@pytest.mark.parametrize("inductor", [True, False], ids=["inductor", "eager-rest"])
+def test_gpu_path_writes_both_caches_of_the_fused_rope_update_in_place(monkeypatch, inductor):
+    """The fused op mutates two caches and returns the rotated query: Inductor's
+    re-functionalization must still write both where they lie, before attention reads them."""
+    monkeypatch.setattr(T, "interpreting", lambda: False)
+    monkeypatch.setattr(T, "_on_gpu", lambda gm, inputs: True)
+    monkeypatch.setattr(T, "_on_gpu_node", lambda node: True)
+
+    def step(q, k, v, cos, sin, k_cache, v_cache, pos):
+        q_rot = g.rope_kv_cache_update(q, k, v, cos, sin, k_cache, v_cache, pos)
+        return g.cache_attention(q_rot, k_cache, v_cache, (pos + 1).expand(1)) * 2 + 1
+
+    inputs = [_r(1, 4, 1, 16), _r(1, 2, 1, 16), _r(1, 2, 1, 16), _r(1, 1, 16), _r(1, 1, 16), _r(1, 2, 9, 16),
+              _r(1, 2, 9, 16), torch.tensor(5)]
+    compiled = T.triton.compile(make_fx(step)(*_clone(inputs)), _clone(inputs), TRITON.replace(inductor=inductor))
+    got, want = _clone(inputs), _clone(inputs)
+    before = ops.calls.copy()
+    out = compiled(*got)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    assert {op for op, kind in ops.calls - before if kind == "kernel"} == {
+        "graphopt.rope_kv_cache_update", "graphopt.cache_attention"}
+    torch.testing.assert_close(out, step(*want), **TOL)
+    torch.testing.assert_close(got[5:7], want[5:7], rtol=0, atol=0)  # both caches, written in place
+
+
 def test_when_inductor_fails_the_kernels_stay_and_the_rest_runs_eagerly(monkeypatch):
     monkeypatch.setattr(T, "interpreting", lambda: False)
     monkeypatch.setattr(T, "_on_gpu", lambda gm, inputs: True)
