@@ -58,7 +58,7 @@ def _nbytes(*ts: torch.Tensor) -> int:
 def cases(dtype: torch.dtype) -> list[Case]:
     import graphopt.ops  # noqa: F401  (registers the reference ops)
     from graphopt.backends.triton.kernels import activations, flash_attention, flash_decoding, kv_cache
-    from graphopt.backends.triton.kernels import int4_gemm, layer_norm, rms_norm, rope
+    from graphopt.backends.triton.kernels import int4_gemm, layer_norm, rms_norm, rope, rope_cache
     from graphopt.quantization import quantize_int4
 
     ops = torch.ops.graphopt
@@ -78,6 +78,15 @@ def cases(dtype: torch.dtype) -> list[Case]:
     x1, x16 = r(1, hidden), r(16, hidden)
     w4_bytes = _nbytes(q4.packed, q4.scales)
     wide = r(tokens, 3584)  # the seed's Softmax+RMSNorm width
+
+    # One decode step's attention inputs for 8 sequences (Llama-3-8B heads) and their caches.
+    qs, ks, vs, cs, ss = r(8, 32, 1, 128), r(8, 8, 1, 128), r(8, 8, 1, 128), r(1, 1, 128), r(1, 1, 128)
+    k_cache, v_cache = r(8, 8, tokens, 128), r(8, 8, tokens, 128)
+
+    def separate_rope_and_writes():  # what the step launched before fuse_rope_kv_cache_update
+        kv_cache.kv_cache_update(k_cache, rope.rope(ks, cs, ss), pos)
+        kv_cache.kv_cache_update(v_cache, vs, pos)
+        return rope.rope(qs, cs, ss)
 
     def unfused_softmax_rms_norm():  # what eager runs without the fusion: softmax, then RMSNorm's ops
         p = torch.softmax(wide.float(), -1).to(dtype).float()
@@ -124,6 +133,9 @@ def cases(dtype: torch.dtype) -> list[Case]:
              2 * _nbytes(qd) + _nbytes(kd, vd)),
         Case("kv_cache_update", "512 rows into [8, 8, 4096, 128]", lambda: kv_cache.kv_cache_update(cache, new, pos),
              lambda: ops.kv_cache_update(cache, new, pos), 2 * _nbytes(new)),
+        Case("rope_kv_cache_update", "decode 8 x 32q/8kv, d128, vs the 4 kernels it replaces",
+             lambda: rope_cache.rope_kv_cache_update(qs, ks, vs, cs, ss, k_cache, v_cache, pos),
+             separate_rope_and_writes, 2 * _nbytes(qs, ks, vs) + _nbytes(cs, ss)),
     ]
 
 
