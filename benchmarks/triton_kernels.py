@@ -181,7 +181,8 @@ def decode_step_rows(dtype: torch.dtype, do_bench, past: int = 128, name: str = 
 
 
 def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda row: None, prompt: int = 128,
-                  new_tokens: int = 64, name: str = "llama-small", device: str = "cuda") -> list[dict]:
+                  new_tokens: int = 64, name: str = "llama-small", device: str = "cuda",
+                  labels: tuple[str, ...] = ("captured", "not captured")) -> list[dict]:
     """llama-small through graphopt.generate on the triton target, with and without CUDA graph
     capture, against the eager loop: token agreement, prefill ms, median decode ms/token, and
     the peak memory of each decode step (its largest value and its spread over the steps:
@@ -197,7 +198,8 @@ def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda ro
     ids = torch.randint(0, models.config_of(name).vocab_size, (1, prompt), device=device)
     rows = []
     step_replay_ms = float("nan")
-    for label, extra in (("captured", {}), ("not captured", {"disable_passes": ["cuda_graphs"]})):
+    runs = (("captured", {}), ("not captured", {"disable_passes": ["cuda_graphs"]}))
+    for label, extra in [(label, extra) for label, extra in runs if label in labels]:
         torch._dynamo.reset()
         graphopt.reset()
         peaks: list[int] = []
@@ -219,7 +221,7 @@ def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda ro
         steady = peaks[len(peaks) // 4:]  # the first steps compile and warm up
         n = min(out.new_tokens.shape[1], ref.new_tokens.shape[1])  # a row may stop early at its EOS
         same = (out.new_tokens[:, :n] == ref.new_tokens[:, :n]).float().mean().item()
-        rows.append(dict(section="llama-small triton", name=f"decode, {label}", tokens_equal=f"{same:.2f}",
+        rows.append(dict(section=f"{name} triton", name=f"decode, {label}", tokens_equal=f"{same:.2f}",
                          prefill_ms=out.prefill_ms, eager_prefill_ms=ref.prefill_ms,
                          ms_per_token=statistics.median(out.ms_per_token),
                          eager_ms_per_token=statistics.median(ref.ms_per_token),
@@ -228,7 +230,7 @@ def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda ro
         record(rows[-1])
     log("profiling the uncaptured decode step's kernels")
     kernels_ms = kernel_ms_per_step(model, ids, new_tokens)
-    rows.append(dict(section="llama-small triton", name="captured step / sum of its kernels",
+    rows.append(dict(section=f"{name} triton", name="captured step / sum of its kernels",
                      ratio=step_replay_ms / kernels_ms, step_replay_ms=step_replay_ms, kernels_ms_per_step=kernels_ms,
                      loop_ms_per_token=rows[0]["ms_per_token"]))
     record(rows[-1])
@@ -264,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-decode-step", action="store_true", help="skip the llama-small decode step")
     parser.add_argument("--generate", action="store_true",
                         help="also decode llama-small through graphopt.generate, with and without CUDA graphs")
+    parser.add_argument("--ratio-model", action="append", default=[],
+                        help="also the captured step / sum of its kernels on this model (llama-medium: "
+                             "TinyLlama-1.1B's shape), where kernels are larger against the gaps between them")
     parser.add_argument("--json", help="also write every row to this file (scripts/gpu_check.sh reads it)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -352,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             failed("llama-small decode step", exc)
         Console().print(e2e)
+    for name in args.ratio_model:  # last: a timeout may cut it without costing the rows above
+        try:
+            for row in generate_rows(dtype, record, new_tokens=16, name=name, labels=("captured",)):
+                Console().print(row)
+        except Exception as exc:
+            failed(f"{name} captured step ratio", exc)
     return 0
 
 
