@@ -221,7 +221,8 @@ def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda ro
         steady = peaks[len(peaks) // 4:]  # the first steps compile and warm up
         n = min(out.new_tokens.shape[1], ref.new_tokens.shape[1])  # a row may stop early at its EOS
         same = (out.new_tokens[:, :n] == ref.new_tokens[:, :n]).float().mean().item()
-        rows.append(dict(section=f"{name} triton", name=f"decode, {label}", tokens_equal=f"{same:.2f}",
+        split = first_divergence(model, ids, out.new_tokens[:, :n], ref.new_tokens[:, :n])
+        rows.append(dict(section=f"{name} triton", name=f"decode, {label}", tokens_equal=f"{same:.2f}", **split,
                          prefill_ms=out.prefill_ms, eager_prefill_ms=ref.prefill_ms,
                          ms_per_token=statistics.median(out.ms_per_token),
                          eager_ms_per_token=statistics.median(ref.ms_per_token),
@@ -235,6 +236,21 @@ def generate_rows(dtype: torch.dtype, record: Callable[[dict], None] = lambda ro
                      loop_ms_per_token=rows[0]["ms_per_token"]))
     record(rows[-1])
     return rows
+
+
+def first_divergence(model, ids: torch.Tensor, got: torch.Tensor, want: torch.Tensor) -> dict:
+    """Where two greedy continuations of row 0 first differ, and how close eager's own choice
+    was there: ``ref_margin`` = (top-1 - top-2 logit) / |top-1| of eager's logits at that step.
+    Random weights give near-flat logits, so a margin of ~1e-3 says the split is fp16 rounding
+    picking the other of two near-equal tokens; a large one says a kernel computed wrong."""
+    differ = (got[0] != want[0]).nonzero()
+    if differ.numel() == 0:
+        return {"first_divergence": "none"}
+    step = int(differ[0])
+    with torch.no_grad():
+        logits = model(torch.cat([ids[:1], want[:1, :step]], dim=1))[0][0, -1].float()
+    top = logits.topk(2).values
+    return {"first_divergence": step, "ref_margin": ((top[0] - top[1]) / top[0].abs()).item()}
 
 
 def kernel_ms_per_step(model, ids, new_tokens: int) -> float:
