@@ -197,7 +197,8 @@ def tidy_attention_layout(model) -> dict[str, int]:
                 attributes = [ir.Attr(a.name, a.type, a.value) for a in rope.attributes.values()]
                 moved = ir.Node(MS_DOMAIN, "RotaryEmbedding", [source, *rope.inputs[1:]], attributes,
                                 name=f"{rope.name}_bsh", version=rope.version)
-                moved.outputs[0].shape, moved.outputs[0].dtype = ir.Shape(value.shape), value.dtype or source.dtype
+                moved.outputs[0].shape = ir.Shape(value.shape)
+                _set_dtype(moved.outputs[0], value, source)
                 moved.outputs[0].name = f"{rope.outputs[0].name}_bsh"
                 graph.insert_before(node, moved)
                 source = moved.outputs[0]
@@ -208,7 +209,7 @@ def tidy_attention_layout(model) -> dict[str, int]:
         out = node.outputs[0]
         if out.shape is None and len(node.inputs) > 1 and node.inputs[1] is not None and query.shape is not None:
             out.shape = ir.Shape(query.shape)  # unpacked query: the output has its shape
-            out.dtype = out.dtype or query.dtype
+            _set_dtype(out, *node.inputs[:3])
     for node in list(graph):
         if node.op_type != "Reshape" or node.domain != "":
             continue
@@ -222,3 +223,14 @@ def tidy_attention_layout(model) -> dict[str, int]:
     CommonSubexpressionEliminationPass()(model)
     RemoveUnusedNodesPass()(model)
     return stats
+
+
+def _set_dtype(value, *like) -> None:
+    """Give ``value`` the first known dtype of ``like`` (attention's q, k, v share one) if it has
+    none. Never assign None: onnx_ir then holds a typeless TensorType, which a value with a
+    shape cannot serialize (a q/k norm made by a translation, as Qwen3's, carries no dtype)."""
+    if value.dtype is not None:
+        return
+    dtype = next((v.dtype for v in like if v is not None and v.dtype is not None), None)
+    if dtype is not None:
+        value.dtype = dtype
