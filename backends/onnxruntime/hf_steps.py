@@ -44,12 +44,22 @@ def mask_kept(model: nn.Module) -> str | None:
     if config._attn_implementation != "sdpa":
         # eager attention applies causality only through the mask
         return f"its attention implementation is {config._attn_implementation!r}, not 'sdpa'"
-    if getattr(config, "sliding_window", None) is not None:
+    if _windowed(config):
         return f"its sliding window ({config.sliding_window} tokens) is part of the mask"
     can_dispatch = getattr(type(model), "_can_set_attn_implementation", None)
     if can_dispatch is None or not can_dispatch():
         return "its attention does not dispatch through transformers' AttentionInterface"
     return None
+
+
+def _windowed(config) -> bool:
+    """Whether transformers' mask carries a sliding window. A config that lists ``layer_types``
+    builds a window mask only for its non-full layers: Qwen2-MoE keeps ``sliding_window`` (0)
+    with every layer "full_attention", which is a causal mask and nothing more."""
+    if getattr(config, "sliding_window", None) is None:
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is None or any(kind != "full_attention" for kind in layer_types)
 
 
 class HFCacheStep(nn.Module):

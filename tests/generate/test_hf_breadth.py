@@ -37,3 +37,30 @@ def test_in_place_ort_decoder_matches_eager(model_type, fields):
     out = graphopt.generate(model, ids, 6, options={"target": "onnxruntime", "fallback": "error"})
     assert out.fallback is None and out.target == "onnxruntime"
     assert torch.equal(out.sequences, eager_generate(model, ids, 6).sequences)
+
+
+QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+
+
+@pytest.mark.parametrize("model_type, fields, kept", [
+    # Qwen2-MoE keeps sliding_window (0) with every layer full attention: a causal mask only.
+    ("qwen2_moe", QWEN2_MOE, None),
+    # Qwen2 slides from layer max_window_layers on: 0 windows every layer, 2 (of 2) none.
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0}, "sliding window"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2}, None),
+    ("mistral", {"sliding_window": 4}, "sliding window"),
+    ("mistral", {"sliding_window": None}, None),
+])
+def test_mask_is_kept_only_for_a_window_some_layer_uses(model_type, fields, kept):
+    from graphopt.backends.onnxruntime.hf_steps import mask_kept
+
+    reason = mask_kept(tiny(model_type, **fields))
+    assert reason is None if kept is None else kept in reason
+
+
+def test_qwen2_moe_decodes_on_the_in_place_decoder():
+    model = tiny("qwen2_moe", **QWEN2_MOE)
+    ids = prompt()
+    out = graphopt.generate(model, ids, 6, options={"target": "onnxruntime", "fallback": "error"})
+    assert out.fallback is None and torch.equal(out.sequences, eager_generate(model, ids, 6).sequences)
+    assert not any("two models" in note for note in out.notes), out.notes  # the in-place decoder, not the pair
