@@ -26,9 +26,12 @@ class ProviderUnavailable(TargetUnavailable):
 class MissingKernel(GraphoptError):
     """The provider has no kernel for an op of the exported model at its types."""
 
-    def __init__(self, op: str, provider: str, bfloat16: bool) -> None:
+    def __init__(self, op: str, provider: str, bfloat16: bool, in_code: bool = False) -> None:
         self.op = op
-        if bfloat16:
+        if in_code:  # the weights and inputs are not bfloat16: casting the model cannot help
+            message = (f"ONNX Runtime's {provider} provider has no bfloat16 kernel for {op}, and the model's own "
+                       "code computes in bfloat16 whatever its dtype (e.g. Falcon's ALiBi bias); use target='eager'")
+        elif bfloat16:
             message = (f"ONNX Runtime's {provider} provider has no bfloat16 kernel for {op}: run the model in "
                        "float32 or float16 (model.float()), or use target='eager'")
         else:

@@ -91,7 +91,10 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
             model.save(source)
         else:
             source = model.to_bytes()
-    session = onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
+    try:
+        session = onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
+    except Exception as error:  # every caller (compile, generate's decoders, export) gets one clear line
+        raise missing_kernel(error, model, provider) or error
     # The Python session keeps the model bytes it was made from, only to rebuild itself in
     # set_providers(), which graphopt never calls: a second copy of every weight for the
     # session's whole life (600 MB on llama-small). The C++ session has its own copy.
@@ -165,3 +168,39 @@ class SessionRunner:
             binding.bind_output(name, "cuda" if device.type == "cuda" else "cpu", device.index or 0)
         self.session.run_with_iobinding(binding, run_options)
         return [torch.from_dlpack(v._ortvalue) for v in binding.get_outputs()]  # noqa: SLF001
+
+
+def missing_kernel(error: Exception, model: Any, provider: str) -> Exception | None:
+    """ORT's NOT_IMPLEMENTED "Could not find an implementation for MatMul(13) node" as one line
+    that names the fix (most often: the CPU provider has no bfloat16 kernels); else None.
+    ``model``: an OnnxModel, or the path of a .onnx file (read without its external weights)."""
+    import math
+    import re
+
+    import onnx_ir as ir
+
+    from graphopt.backends.onnxruntime.errors import MissingKernel
+
+    found = re.search(r"Could not find an implementation for (\w+)\(\d+\) node", str(error))
+    if not found:
+        return None
+    try:
+        graph = model.model.graph if hasattr(model, "model") else ir.from_proto(_load_proto(model)).graph
+    except Exception:  # noqa: BLE001  (an unreadable model: ORT's own message stays)
+        return None
+    weights = list(graph.initializers.values())
+    computed = [out for node in graph for out in node.outputs]
+    bf16 = lambda values: any(v.dtype == ir.DataType.BFLOAT16 for v in values)  # noqa: E731
+    # The model's dtype is its inputs' and its largest weight's; a small bf16 constant (a
+    # folded ALiBi slope table) is the model's own code casting, which model.float() keeps.
+    largest = max(weights, key=lambda v: math.prod(v.shape) if v.shape is not None and v.shape.is_static() else 0,
+                  default=None)
+    model_bf16 = bf16(graph.inputs) or (largest is not None and largest.dtype == ir.DataType.BFLOAT16)
+    any_bf16 = model_bf16 or bf16(weights) or bf16(computed)
+    return MissingKernel(found.group(1), provider, any_bf16, in_code=any_bf16 and not model_bf16)
+
+
+def _load_proto(path: Any):
+    import onnx
+
+    return onnx.load(str(path), load_external_data=False)

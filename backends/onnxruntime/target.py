@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
@@ -116,10 +115,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     with ThreadPoolExecutor(max_workers=1) as pool:
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from).result()
     exported = time.perf_counter()
-    try:
-        session = create_session(model, provider, arena=not dynamic if arena is None else arena)
-    except Exception as error:
-        raise _missing_kernel(error, model, provider) or error
+    session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     done = time.perf_counter()
     _return_freed_memory()
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
@@ -277,21 +273,6 @@ def _per_signature(gm: fx.GraphModule, provider: str, reason: str) -> Callable:
                       reports.current_report(), MAX_SPECIALIZATIONS)
     fn.graphopt_notes = [f"onnxruntime: one static export per input shape, since {reason}"]
     return fn
-
-
-def _missing_kernel(error: Exception, model, provider: str) -> Exception | None:
-    """ORT's NOT_IMPLEMENTED "Could not find an implementation for MatMul(13) node" as one line
-    that names the fix (most often: the CPU provider has no bfloat16 kernels); else None."""
-    from graphopt.backends.onnxruntime.errors import MissingKernel
-
-    found = re.search(r"Could not find an implementation for (\w+)\(\d+\) node", str(error))
-    if not found:
-        return None
-    import onnx_ir as ir
-
-    graph = model.model.graph
-    values = [*graph.inputs, *graph.initializers.values(), *(out for node in graph for out in node.outputs)]
-    return MissingKernel(found.group(1), provider, any(v.dtype == ir.DataType.BFLOAT16 for v in values))
 
 
 onnxruntime = OnnxRuntimeTarget()

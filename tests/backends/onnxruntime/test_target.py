@@ -195,3 +195,27 @@ def test_a_missing_bfloat16_kernel_is_one_line_that_names_the_fix():
     reasons = [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
     assert any("ONNX Runtime's cpu provider has no bfloat16 kernel for" in r and "model.float()" in r
                for r in reasons), reasons
+
+
+def test_a_bfloat16_cast_in_an_fp32_model_is_named_as_the_model_s_own():
+    """An fp32 model whose code casts to bfloat16 itself (Falcon's ALiBi) gains nothing from
+    model.float(): the reason says the bfloat16 is the model's own."""
+
+    class CastsItself(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(16, 8)
+
+        def forward(self, x):
+            return self.linear(x) * (x[:, :8].bfloat16() * 3).float()
+
+    model = CastsItself().eval()
+    x = torch.randn(2, 16)
+    graphopt.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime"})
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x))  # fell back to eager
+    reasons = [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
+    assert any("no bfloat16 kernel for Mul" in r and "own code" in r and "model.float()" not in r
+               for r in reasons), reasons
