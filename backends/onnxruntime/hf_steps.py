@@ -44,6 +44,8 @@ def mask_kept(model: nn.Module) -> str | None:
     if config._attn_implementation != "sdpa":
         # eager attention applies causality only through the mask
         return f"its attention implementation is {config._attn_implementation!r}, not 'sdpa'"
+    if getattr(config, "alibi", False):  # Falcon-RW, MPT: the mask is where the bias is added (and read)
+        return "its ALiBi position bias is part of the mask"
     if _windowed(config):
         return f"its sliding window ({config.sliding_window} tokens) is part of the mask"
     can_dispatch = getattr(type(model), "_can_set_attn_implementation", None)

@@ -64,3 +64,29 @@ def test_qwen2_moe_decodes_on_the_in_place_decoder():
     out = graphopt.generate(model, ids, 6, options={"target": "onnxruntime", "fallback": "error"})
     assert out.fallback is None and torch.equal(out.sequences, eager_generate(model, ids, 6).sequences)
     assert not any("two models" in note for note in out.notes), out.notes  # the in-place decoder, not the pair
+
+
+FALCON_ALIBI = dict(num_key_value_heads=4, multi_query=False, new_decoder_architecture=False, parallel_attn=False,
+                    alibi=True, bias=True)
+
+
+def test_alibi_keeps_the_mask():
+    """Falcon-RW adds its ALiBi bias into the mask (and reads the mask's dtype): without the mask
+    its forward crashed while exporting, and generate fell back with an AttributeError."""
+    from graphopt.backends.onnxruntime.hf_steps import mask_kept
+
+    assert "ALiBi" in mask_kept(tiny("falcon", **FALCON_ALIBI))
+    assert mask_kept(tiny("falcon", num_key_value_heads=4, new_decoder_architecture=True)) is None  # rotary Falcon
+
+
+def test_falcon_alibi_falls_back_naming_its_own_bfloat16():
+    """Falcon's ALiBi slopes are computed in bfloat16 whatever the model's dtype, and ORT's CPU
+    provider has no bfloat16 Mul: generate decodes eagerly, saying so in one line that does not
+    tell the user to cast an fp32 model to fp32."""
+    model = tiny("falcon", **FALCON_ALIBI)
+    ids = prompt()
+    out = graphopt.generate(model, ids, 4, options={"target": "onnxruntime"})
+    assert out.fallback is not None and "\n" not in out.fallback
+    assert "no bfloat16 kernel for Mul" in out.fallback and "own code" in out.fallback, out.fallback
+    assert "model.float()" not in out.fallback
+    assert torch.equal(out.sequences, eager_generate(model, ids, 4).sequences)
