@@ -69,6 +69,10 @@ FAMILIES: dict[str, dict] = {
                        "query_pre_attn_scalar": 16},
     "gemma3_text@window4": {**BASE, "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 4,
                             "query_pre_attn_scalar": 16},
+    # Falcon-RW: ALiBi instead of rotary, its slopes computed in bfloat16 by the model itself.
+    "falcon@alibi": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, model_type="falcon",
+                         multi_query=False, new_decoder_architecture=False, parallel_attn=False, alibi=True, bias=True,
+                         max_position_embeddings=256),
     "qwen2@window4": {**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4,
                       "max_window_layers": 0},  # Qwen2 slides from layer max_window_layers on
 }
