@@ -48,7 +48,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: f
     if is_causal:
         keep = causal_keep_mask(sq, skv, q.device)
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).reshape(b, hkv, groups * sq, skv)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None or is_causal:
+        # A query that may attend to nothing (a left pad's row) gets zeros, as torch's SDPA gives
+        # (its safe softmax), not softmax's NaN: the NaN would reach every later token through
+        # the next layer's 0 * V.
+        probs = probs.masked_fill(scores.isneginf().all(-1, keepdim=True), 0.0)
+    probs = probs.reshape(b, hkv, groups * sq, skv)
     return torch.matmul(probs, v.float()).view(b, hq, sq, v.shape[-1]).to(q.dtype)
 
 

@@ -78,7 +78,7 @@ def _gqa(q, k, v, past_k, past_v, total, scale, causal: bool, hq: int, hkv: int,
 def _additive_bias(mask, q, k):
     """A boolean or additive mask -> float bias of shape [B|1, H|1, Sq, Skv] in q's dtype."""
     if mask.dtype == ir.DataType.BOOL:
-        bias = op.Where(mask, const(0.0, q.dtype), const(float("-inf"), q.dtype))
+        bias = op.Where(mask, const(0.0, q.dtype), const(_lowest(q.dtype), q.dtype))
     else:
         bias = cast_to(mask, q.dtype)
     missing = 4 - (rank(mask) or 4)
@@ -100,7 +100,7 @@ def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = 
     if d == dv and same_len and (mask is None or softcap > 0.0):
         bias = _additive_bias(mask, q, k) if mask is not None else None
         out, _, _ = _gqa(q, k, v, None, None, _seq_len(k), scale, is_causal, hq, hkv, d, softcap, bias)
-        return out
+        return _zero_empty_rows(out, mask, q.dtype)
     if softcap > 0.0:  # MultiHeadAttention has no softcap attribute
         return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv, softcap)
     masked = mask is not None and not is_causal
@@ -111,7 +111,7 @@ def attention(q, k, v, mask=None, scale: float | None = None, is_causal: bool = 
         bias = _additive_bias(mask, q, k) if mask is not None else None
         k, v = _expand_heads(k, hq, hkv), _expand_heads(v, hq, hkv)
         out, _, _, _ = ms.MultiHeadAttention(_to_bsh(q), k, v, None, None, bias, num_heads=hq, scale=scale)
-        return _from_bsh(out, hq, dv)
+        return _zero_empty_rows(_from_bsh(out, hq, dv), mask, q.dtype)
     return _attention_standard(q, k, v, mask, scale, is_causal, hq, hkv)
 
 
@@ -133,7 +133,8 @@ def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, h
         scores = op.Mul(op.Tanh(op.Div(scores, cap)), cap)
     neg_inf = const(float("-inf"), FLOAT)
     if mask is not None:
-        scores = op.Where(mask, scores, neg_inf) if mask.dtype == ir.DataType.BOOL else op.Add(scores, cast_to(mask, FLOAT))
+        lowest = const(_lowest(FLOAT), FLOAT)  # finite: a row that attends to nothing stays a number
+        scores = op.Where(mask, scores, lowest) if mask.dtype == ir.DataType.BOOL else op.Add(scores, cast_to(mask, FLOAT))
     if is_causal:
         q_len = op.Reshape(op.Shape(q, start=2, end=3), [])
         kv_len = op.Reshape(op.Shape(k, start=2, end=3), [])
@@ -142,8 +143,25 @@ def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, h
         cols = op.Range(zero, kv_len, one)
         keep = op.LessOrEqual(cols, op.Add(rows, op.Sub(kv_len, q_len)))  # bottom-right aligned
         scores = op.Where(keep, scores, neg_inf)
-    out = op.MatMul(op.Softmax(scores, axis=-1), v_full)
+    out = _zero_empty_rows(op.MatMul(op.Softmax(scores, axis=-1), v_full), mask, FLOAT)
     return cast_to(out, out_dtype)
+
+
+def _lowest(dtype) -> float:
+    """The most negative finite value of ``dtype``, the fill for a boolean mask's False: with
+    -inf a query that attends to nothing (a left pad's row) is NaN, which the next layer
+    spreads to every token through 0 * V."""
+    wide = {ir.DataType.FLOAT16: torch.float16, ir.DataType.BFLOAT16: torch.bfloat16}.get(dtype, torch.float32)
+    return float(torch.finfo(wide).min)
+
+
+def _zero_empty_rows(out, mask, dtype):
+    """``out`` [B, H, Sq, Dv] of ``dtype`` with zeros where a boolean ``mask`` lets the query
+    attend to nothing: what torch's SDPA (and graphopt.attention) gives such a row."""
+    if mask is None or mask.dtype != ir.DataType.BOOL:
+        return out
+    keep_any = op.ReduceMax(op.Cast(mask, to=FLOAT), const([-1], INT64), keepdims=1)  # [B|1, H|1, Sq, 1]
+    return op.Mul(out, cast_to(keep_any, dtype))
 
 
 def gqa_with_past(q, k, v, past_k, past_v, scale: float | None = None, softcap: float = 0.0):
