@@ -7,11 +7,13 @@ heads, 2 KV heads where the family has GQA, vocab 256; eval, fp32, seed 0) and c
 - gen-auto / gen-eager: ``graphopt.generate`` (target auto, then eager), 8 greedy tokens vs
   ``eager_generate`` and vs transformers' own ``model.generate``; a fallback is reported;
 - compile: ``torch.compile(model, backend="graphopt")`` logits vs eager at two lengths;
+- compile-pad: the same on a left-padded batch with its attention mask (every position);
 - export: ``graphopt export CONFIG.json -o X.onnx --kv-cache --json`` (ORT vs eager inside).
 
 A cell reads ``ok`` (with the fused ops) or the first line of the error / mismatch.
 
-    GRAPHOPT_CACHE_DIR=off nice .venv/bin/python benchmarks/hf_breadth.py [--only gemma2] [--json]
+    GRAPHOPT_CACHE_DIR=off nice .venv/bin/python benchmarks/hf_breadth.py [--only gemma2] [--check export]
+        [--save run.json] [--json]; --table run.json prints a saved run
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ FAMILIES: dict[str, dict] = {
     "qwen2@window4": {**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4,
                       "max_window_layers": 0},  # Qwen2 slides from layer max_window_layers on
 }
-CHECKS = ["gen-auto", "gen-eager", "compile", "export"]
+CHECKS = ["gen-auto", "gen-eager", "compile", "compile-pad", "export"]
 NEW_TOKENS = 8
 
 
@@ -163,6 +165,30 @@ def check_compile(model, lengths=(5, 9)) -> tuple[bool, str, dict]:
     return True, f"ok err {max(errs):.0e} {fused(counts)}".strip(), detail
 
 
+def check_compile_padded(model) -> tuple[bool, str, dict]:
+    """The compiled forward of a left-padded batch (row 1 padded by 3) vs eager, all positions."""
+    import graphopt
+
+    torch._dynamo.reset()
+    graphopt.reset()
+    compiled = torch.compile(model, backend="graphopt")
+    ids = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).logits
+        got = compiled(input_ids=ids, attention_mask=mask).logits
+    fallbacks = [f"{f['where']}: {f['reason']}" for r in graphopt.reports() for f in r.fallbacks]
+    torch._dynamo.reset()
+    err = ((got - want).norm() / want.norm()).item()
+    detail = {"rel_err": err, "nan_rows": got.isnan().any(-1).any(-1).tolist(), "fallbacks": fallbacks}
+    if not err < 1e-4:
+        return False, f"logits rel err {err:.2g}, NaN rows {detail['nan_rows']}", detail
+    if fallbacks:
+        return False, f"fallback {first_line(fallbacks[0])}", detail
+    return True, f"ok err {err:.0e}", detail
+
+
 def check_export(family: str, folder: Path) -> tuple[bool, str, dict]:
     from typer.testing import CliRunner
 
@@ -194,7 +220,7 @@ def check_export(family: str, folder: Path) -> tuple[bool, str, dict]:
     return True, f"ok {fused(counts)}{kept}", detail
 
 
-def run_family(family: str, folder: Path) -> dict:
+def run_family(family: str, folder: Path, checks: list[str] | None = None) -> dict:
     row: dict = {}
     try:
         model, _ = build(family)
@@ -213,8 +239,11 @@ def run_family(family: str, folder: Path) -> dict:
     jobs = {"gen-auto": lambda: check_generate(model, ids, "auto", hf_tokens),
             "gen-eager": lambda: check_generate(model, ids, "eager", hf_tokens),
             "compile": lambda: check_compile(model),
+            "compile-pad": lambda: check_compile_padded(model),
             "export": lambda: check_export(family, folder)}
     for name, job in jobs.items():
+        if checks and name not in checks:
+            continue
         start = time.perf_counter()
         try:
             ok, text, detail = job()
@@ -228,6 +257,7 @@ def run_family(family: str, folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="a family to run (repeatable)")
+    parser.add_argument("--check", action="append", choices=CHECKS, help="run only this check (repeatable)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--save", metavar="JSON", help="merge each family's results into this file as it finishes")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier --json run, run nothing")
@@ -252,11 +282,11 @@ def main() -> None:
                 continue
             print(f"{family} ...", file=sys.stderr, flush=True)
             with contextlib.redirect_stdout(io.StringIO()):
-                results[family] = run_family(family, Path(tmp))
-            print("  " + " | ".join(f"{c}: {results[family][c]['text']}" for c in CHECKS), file=sys.stderr)
+                results[family] = run_family(family, Path(tmp), args.check)
+            print("  " + " | ".join(f"{c}: {r['text']}" for c, r in results[family].items()), file=sys.stderr)
             if args.save:  # a long sweep keeps what it has if it is stopped
                 saved = json.loads(Path(args.save).read_text()) if Path(args.save).exists() else {"results": {}}
-                saved["results"][family] = results[family]
+                saved["results"][family] = {**saved["results"].get(family, {}), **results[family]}
                 saved["missing"] = missing
                 Path(args.save).write_text(json.dumps(saved, indent=1, default=str))
     if args.json:
@@ -275,7 +305,7 @@ def print_table(results: dict, missing: list[str]) -> None:
         table.add_column(c, overflow="fold")
     for family, row in results.items():
         table.add_row(family, *[("[green]" if row[c]["ok"] else "[red]") + row[c]["text"].replace("[", r"\[")
-                                for c in CHECKS])
+                                if c in row else "-" for c in CHECKS])
     console = Console(width=220)
     console.print(table)
     if missing:
