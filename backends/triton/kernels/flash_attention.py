@@ -5,7 +5,7 @@ BLOCK_N blocks, keeping a running max and sum so the [Sq, Skv] score matrix neve
 reaches memory. GQA maps query head h to KV head h // (Hq / Hkv) by pointer
 arithmetic (no repeat_interleave copy). Causal masking is bottom-right aligned
 (query i sees keys j <= i + Skv - Sq) and also trims the KV loop. Rows that see no
-key at all end as 0 / 0 = nan, exactly as the reference's softmax over all -inf.
+key at all are 0, as the reference gives (torch SDPA's safe softmax), not softmax's nan.
 A soft cap (``softcap`` > 0: Gemma2, Grok) bounds the scaled scores to
 ``cap * tanh(s / cap)`` before the mask; it is a constexpr branch, so uncapped
 attention compiles without it.
@@ -127,7 +127,7 @@ def flash_attention_kernel(
         # p in V's dtype feeds the tensor cores; p <= 1 so fp16/bf16 keep it to 3 digits.
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # no visible key: acc is 0, so is the row
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_dv[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & (offs_dv[None, :] < v_dim))
 

@@ -200,11 +200,14 @@ def flash_decoding_reduce_kernel(
         used = num_splits
     s_valid = splits < used
     lse = tl.load(lse_ptr + bh * num_splits + splits, mask=s_valid, other=float("-inf"))
-    # If every split is -inf (no visible key) this is nan, as the reference's softmax is.
-    w = tl.exp2(lse - tl.max(lse, axis=0))
+    # If every split is -inf (no visible key) the weights are all 0 and so is the output, as
+    # the reference gives (torch SDPA's safe softmax), never nan.
+    top = tl.max(lse, axis=0)
+    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     o = tl.load(o_part_ptr + (bh * num_splits + splits[:, None]) * v_dim + offs_dv[None, :],
                 mask=s_valid[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.sum(w, axis=0)
+    total = tl.sum(w, axis=0)
+    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty),
              mask=offs_dv < v_dim)
 
