@@ -200,8 +200,7 @@ def flash_decoding_reduce_kernel(
         used = num_splits
     s_valid = splits < used
     lse = tl.load(lse_ptr + bh * num_splits + splits, mask=s_valid, other=float("-inf"))
-    # If every split is -inf (no visible key) the weights are all 0 and so is the output, as
-    # the reference gives (torch SDPA's safe softmax), never nan.
+    # No visible key in any split: every weight is 0 and so is the output (the reference's safe softmax).
     top = tl.max(lse, axis=0)
     w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
     o = tl.load(o_part_ptr + (bh * num_splits + splits[:, None]) * v_dim + offs_dv[None, :],

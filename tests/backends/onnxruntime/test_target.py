@@ -182,17 +182,21 @@ def test_model_over_the_protobuf_limit_loads_from_external_data(monkeypatch, exp
     assert_matches_eager(out, eager(module, x), rel=1e-5)
 
 
-def test_a_missing_bfloat16_kernel_is_one_line_that_names_the_fix():
-    """Found by graphopt fuzz: ORT's CPU provider has no bfloat16 MatMul; the fallback reason
-    used to be ORT's raw NOT_IMPLEMENTED text."""
-    model = torch.nn.Linear(16, 8).to(torch.bfloat16).eval()
-    x = torch.randn(2, 16, dtype=torch.bfloat16)
+def _fallback_reasons(model, x) -> list[str]:
+    """Compile ``model`` on onnxruntime, check the (eager fallback's) output, return the reasons."""
     graphopt.reset()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime"})
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))  # fell back to eager
-    reasons = [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
+    return [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
+
+
+def test_a_missing_bfloat16_kernel_is_one_line_that_names_the_fix():
+    """Found by graphopt fuzz: ORT's CPU provider has no bfloat16 MatMul; the fallback reason
+    used to be ORT's raw NOT_IMPLEMENTED text."""
+    reasons = _fallback_reasons(torch.nn.Linear(16, 8).to(torch.bfloat16).eval(),
+                                torch.randn(2, 16, dtype=torch.bfloat16))
     assert any("ONNX Runtime's cpu provider has no bfloat16 kernel for" in r and "model.float()" in r
                for r in reasons), reasons
 
@@ -209,13 +213,6 @@ def test_a_bfloat16_cast_in_an_fp32_model_is_named_as_the_model_s_own():
         def forward(self, x):
             return self.linear(x) * (x[:, :8].bfloat16() * 3).float()
 
-    model = CastsItself().eval()
-    x = torch.randn(2, 16)
-    graphopt.reset()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="graphopt", options={"target": "onnxruntime"})
-    with torch.no_grad():
-        torch.testing.assert_close(compiled(x), model(x))  # fell back to eager
-    reasons = [fb["reason"] for r in graphopt.reports() for fb in r.fallbacks]
+    reasons = _fallback_reasons(CastsItself().eval(), torch.randn(2, 16))
     assert any("no bfloat16 kernel for Mul" in r and "own code" in r and "model.float()" not in r
                for r in reasons), reasons
