@@ -79,8 +79,8 @@ def _additive_bias(mask, q, k):
     """A boolean or additive mask -> float bias of shape [B|1, H|1, Sq, Skv] in q's dtype."""
     if mask.dtype == ir.DataType.BOOL:
         bias = op.Where(mask, const(0.0, q.dtype), const(_lowest(q.dtype), q.dtype))
-    else:
-        bias = cast_to(mask, q.dtype)
+    else:  # -inf made finite, as the boolean fill: a row of -inf would be softmax's NaN
+        bias = op.Max(cast_to(mask, q.dtype), const(_lowest(q.dtype), q.dtype))
     missing = 4 - (rank(mask) or 4)
     if missing:
         bias = op.Unsqueeze(bias, list(range(missing)))
@@ -134,7 +134,8 @@ def _attention_standard(q, k, v, mask, scale: float, is_causal: bool, hq: int, h
     neg_inf = const(float("-inf"), FLOAT)
     if mask is not None:
         lowest = const(_lowest(FLOAT), FLOAT)  # finite: a row that attends to nothing stays a number
-        scores = op.Where(mask, scores, lowest) if mask.dtype == ir.DataType.BOOL else op.Add(scores, cast_to(mask, FLOAT))
+        scores = (op.Where(mask, scores, lowest) if mask.dtype == ir.DataType.BOOL
+                  else op.Add(scores, op.Max(cast_to(mask, FLOAT), lowest)))
     if is_causal:
         q_len = op.Reshape(op.Shape(q, start=2, end=3), [])
         kv_len = op.Reshape(op.Shape(k, start=2, end=3), [])
@@ -156,11 +157,12 @@ def _lowest(dtype) -> float:
 
 
 def _zero_empty_rows(out, mask, dtype):
-    """``out`` [B, H, Sq, Dv] of ``dtype`` with zeros where a boolean ``mask`` lets the query
-    attend to nothing: what torch's SDPA (and graphopt.attention) gives such a row."""
-    if mask is None or mask.dtype != ir.DataType.BOOL:
+    """``out`` [B, H, Sq, Dv] of ``dtype`` with zeros where ``mask`` (boolean False or additive
+    -inf) lets the query attend to nothing: what torch's SDPA (and graphopt.attention) gives such a row."""
+    if mask is None:
         return out
-    keep_any = op.ReduceMax(op.Cast(mask, to=FLOAT), const([-1], INT64), keepdims=1)  # [B|1, H|1, Sq, 1]
+    visible = mask if mask.dtype == ir.DataType.BOOL else op.Not(op.IsInf(mask, detect_positive=0))
+    keep_any = op.ReduceMax(op.Cast(visible, to=FLOAT), const([-1], INT64), keepdims=1)  # [B|1, H|1, Sq, 1]
     return op.Mul(out, cast_to(keep_any, dtype))
 
 

@@ -99,13 +99,16 @@ def test_skips_cache_form_for_chunks_of_a_batch():
     check(lambda *a: _decode(*a, causal=True), *inputs, op=None, cached=0)
 
 
+@pytest.mark.parametrize("additive", [False, True], ids=["bool", "additive"])
 @pytest.mark.parametrize("heads, causal", [(HQ, False), (HKV, False), (HKV, True)])  # MHA, expanded MHA, standard
-def test_a_query_that_attends_to_nothing_is_zero_not_nan(heads, causal):
+def test_a_query_that_attends_to_nothing_is_zero_not_nan(heads, causal, additive):
     """A left-padded row's pad queries see no key: ORT's softmax over -inf was NaN there, and the
     next layer spread it to the row's real tokens; the bias is now finite and such rows zero."""
     mask = torch.ones(B, 1, S, S, dtype=torch.bool)
     mask[1, :, :, :2] = False
     mask[1, :, :2, :] = False  # row 1's first two queries attend to nothing
+    if additive:  # the same mask as a -inf bias
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
     q, k, v = randn(B, HQ, S, D), randn(B, heads, S, D), randn(B, heads, S, D)
     module = Call(lambda s, *a: go.attention(*a, mask, None, causal))
     (out,), _ = export_and_run(module, q, k, v)
