@@ -28,6 +28,10 @@ Where the numbers come from (None where unknown):
   counted as async copies; triton 3.9 emits them only on gfx950+ (or with
   ``TRITON_HIP_USE_ASYNC_COPY=1``, where gfx942's are 32 bits wide), so gfx942
   builds report 0 and pipeline through registers instead.
+- ``details["int_to_float_converts"]``: integer-to-float convert instructions in the PTX
+  (``cvt.rn.f16.s16``, ...) or amdgcn (``v_cvt_f32_u32``, ...). They run at a fraction of
+  the FMA rate (an eighth on sm_80/sm_90), so a dequantizing kernel that converts every
+  code is bound by them, not by memory (the INT4 GEMV's first H200 run).
 
 For a kernel with several functions (flash_decoding, or every variant with ``tuning``)
 the top-level registers, spills and shared memory are the maxima over its functions,
@@ -245,6 +249,7 @@ def _compile(spec, backend: str, target_arch, warp: int) -> FunctionBuild:
     fb.global_load_bits = max(widths, default=0)
     for bits in sorted(set(widths)):  # how many loads of each width: the narrow ones are what to fix
         fb.details[f"global_loads_{bits}b"] = widths.count(bits)
+    fb.details["int_to_float_converts"] = len((_PTX_I2F if backend == "cuda" else _AMD_I2F).findall(text))
     if backend == "cuda":
         _nvidia_resources(fb, target_arch)
     else:
@@ -258,6 +263,10 @@ _PTX_LOAD = re.compile(r"^\s*(?:@!?%p\w*\s+)?ld\.global((?:\.[\w:]+)+)\s", re.M)
 _PTX_CP_ASYNC = re.compile(r"^\s*(?:@!?%p\w*\s+)?cp\.async\.c[ag]\.shared(?:::cta)?\.global\S*\s+\[[^\]]*\],"
                            r"\s*\[[^\]]*\],\s*(0x[0-9a-fA-F]+|\d+)", re.M)
 _PTX_TMA = re.compile(r"^\s*(?:@!?%p\w*\s+)?cp\.async\.bulk\.", re.M)
+# int -> float converts: PTX `cvt.rn.f32.s32`, `cvt.rn.f16.u16`, ... (float <- signed / unsigned
+# integer); amdgcn `v_cvt_f32_i32`, `v_cvt_f16_u16`, `v_cvt_f32_ubyte0`, ...
+_PTX_I2F = re.compile(r"^\s*(?:@!?%p\w*\s+)?cvt(?:\.\w+)*\.(?:f16|bf16|f32|f64)\.[su]\d+\s", re.M)
+_AMD_I2F = re.compile(r"^\s*v_cvt_f(?:16|32|64)_(?:[iu]\d+|ubyte\d)\b", re.M)
 # amdgcn: global_load_* / buffer_load_* by width; `buffer_load_... lds` and `global_load_lds_*` write LDS
 # directly (the AMD async copy; Triton uses it on gfx950+, or with TRITON_HIP_USE_ASYNC_COPY=1).
 _AMD_LOAD = re.compile(r"^\s*(global_load|buffer_load)_(lds_)?(\w+)([^\n]*)$", re.M)

@@ -55,8 +55,8 @@ DECODE_MAX_M = 16
 def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, stride_sn, stride_zn,
                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight stream of the K step at ``k0``: packed bytes [BLOCK_K / 2, BLOCK_N] (u8),
-    and the scales and zero points (fp32) as [1, BLOCK_N] when the step lies in one group,
-    else [BLOCK_K / 2, BLOCK_N] (one per byte: GROUP is even, so a byte's two codes share
+    and the scales (in their own dtype) and zero points (fp32) as [1, BLOCK_N] when the
+    step lies in one group, else [BLOCK_K / 2, BLOCK_N] (one per byte: GROUP is even, so a byte's two codes share
     a group). ``n_ok`` masks columns; it is all false for a step past the end (the GEMV's
     last prefetch).
     """
@@ -79,7 +79,7 @@ def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, str
         packed = tl.load(w_ptr + n64[None, :] * stride_wn + (k0 // 2 + offs_j)[:, None], mask=byte_ok, other=0)
         group = (k_byte // GROUP)[:, None] + n64[None, :] * 0
         s_mask = byte_ok
-    scale = tl.load(s_ptr + n64[None, :] * stride_sn + group, mask=s_mask, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + n64[None, :] * stride_sn + group, mask=s_mask, other=0.0)
     if HAS_ZEROS:
         zbyte = tl.load(z_ptr + n64[None, :] * stride_zn + group // 2, mask=s_mask, other=0)
         zero = ((zbyte >> ((group % 2) * 4)) & 0xF).to(tl.float32)
@@ -92,8 +92,8 @@ def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, str
 def _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj, k0, k_end, stride_wn, stride_sn, stride_zn,
                  GROUP: tl.constexpr, SUB: tl.constexpr, HAS_ZEROS: tl.constexpr):
     """The GEMV's weight stream for a step of G sub-groups of SUB k (SUB divides GROUP, so
-    each lies in one group): codes [G, SUB / 2, BLOCK_N] (u8), scales and zero points
-    [G, 1, BLOCK_N] (fp32), one per sub-group and column.
+    each lies in one group): codes [G, SUB / 2, BLOCK_N] (u8), scales (their own dtype) and
+    zero points (fp32) [G, 1, BLOCK_N], one per sub-group and column.
 
     Each column's SUB / 2 bytes of a sub-group are contiguous and 16-byte aligned, so each
     thread moves them as 128-bit loads, G of them per step (SUB is at most 32: a thread
@@ -108,7 +108,7 @@ def _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj, k0, k_end, str
     j = (tl.multiple_of(k0 // 2, SUB // 2) + offs_g * (SUB // 2))[:, None, None] + offs_jj[None, :, None]
     cols = n64[None, None, :]
     packed = tl.load(w_ptr + cols * stride_wn + j, mask=ok, other=0)
-    scale = tl.load(s_ptr + cols * stride_sn + group[:, None, None], mask=ok, other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + cols * stride_sn + group[:, None, None], mask=ok, other=0.0)
     if HAS_ZEROS:
         zbyte = tl.load(z_ptr + cols * stride_zn + group[:, None, None] // 2, mask=ok, other=0)
         zero = ((zbyte >> ((group[:, None, None] % 2) * 4)) & 0xF).to(tl.float32)
@@ -118,15 +118,37 @@ def _load_groups(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_g, offs_jj, k0, k_end, str
 
 
 @triton.jit
-def _dequantize(packed, scale, zero, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
-    """[BLOCK_K / 2, BLOCK_N] bytes -> the [BLOCK_K, BLOCK_N] weight tile in ``dtype``.
+def _weights(codes, scale, zero, dtype: tl.constexpr):
+    """4-bit codes (u8, 0..15) -> ``(q - z) * s`` rounded once to ``dtype``: the reference
+    op's weight, value for value, with no integer-to-float conversion.
 
-    ``(q - z) * s`` in fp32 is exact and is rounded once to x's dtype: the reference
-    op's weight, value for value. Low nibbles are even k, high nibbles odd k: joining
-    them on a new last axis and folding it into k restores the order.
+    An int -> float convert runs on the GPU's conversion pipe at an eighth of the FMA rate
+    (16 a clock per SM on sm_80/sm_90), and one per weight element made the first H200 GEMV
+    conversion-bound (0.14-0.17 of copy bandwidth). Instead a code is OR-ed into the
+    mantissa of a power of two, 2^m + q, whose bits reinterpret as that float: 1024 for
+    fp16 (0x6400), 2^23 for fp32 (0x4B000000), each with an ulp of 1, so the subtraction of
+    2^m + z is exact. The product with the scale is exact in fp32 and rounded once, as the
+    reference rounds it: in fp16 itself when x and the scales are fp16 (the common case:
+    half-precision pairs, no cast at all), else in fp32 and cast (bf16: a bf16 <-> fp32
+    cast is a shift, not a convert; Triton's interpreter also miscomputes bf16 arithmetic
+    on a bitcast tensor).
     """
-    lo = (((packed & 0xF).to(tl.float32) - zero) * scale).to(dtype)
-    hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(dtype)
+    if dtype == scale.dtype and dtype == tl.float16:
+        q = (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        return (q - (zero + 1024.0).to(tl.float16)) * scale
+    else:
+        q = (codes.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True)
+        return ((q - (zero + 8388608.0)) * scale.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _dequantize(packed, scale, zero, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """[BLOCK_K / 2, BLOCK_N] bytes -> the [BLOCK_K, BLOCK_N] weight tile in ``dtype``
+    (``_weights``: the reference's weight, value for value). Low nibbles are even k, high
+    nibbles odd k: joining them on a new last axis and folding it into k restores the order.
+    """
+    lo = _weights(packed & 0xF, scale, zero, dtype)
+    hi = _weights(packed >> 4, scale, zero, dtype)
     return tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (BLOCK_K, BLOCK_N))
 
 
@@ -200,8 +222,8 @@ def int4_gemm_kernel(
             xk = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < k_end, other=0.0).to(tl.float32)
             x_even, x_odd = tl.split(tl.reshape(xk, (BLOCK_K // SUB, SUB // 2, 2)))
             # (q - z) * s rounded to x's dtype once, as _dequantize does: the reference's weight.
-            lo = (((packed & 0xF).to(tl.float32) - zero) * scale).to(dtype).to(tl.float32)
-            hi = (((packed >> 4).to(tl.float32) - zero) * scale).to(dtype).to(tl.float32)
+            lo = _weights(packed & 0xF, scale, zero, dtype).to(tl.float32)
+            hi = _weights(packed >> 4, scale, zero, dtype).to(tl.float32)
             col_acc += tl.sum(tl.sum(lo * x_even[:, :, None] + hi * x_odd[:, :, None], axis=1), axis=0)
             packed, scale, zero = next_packed, next_scale, next_zero
         acc = col_acc[None, :]

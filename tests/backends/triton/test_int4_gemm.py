@@ -11,6 +11,8 @@ import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from triton.runtime.jit import JITFunction
 
 import graphopt.ops  # noqa: F401  (registers torch.ops.graphopt.*)
@@ -157,6 +159,31 @@ def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
     torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=8e-3)
 
 
+@triton.jit
+def _weights_kernel(codes_ptr, s_ptr, z_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    codes, zero = tl.load(codes_ptr + i), tl.load(z_ptr + i)
+    tl.store(out_ptr + i, int4_gemm._weights(codes, tl.load(s_ptr + i), zero, out_ptr.dtype.element_ty))
+
+
+@pytest.mark.parametrize("dtype,scale_dtype", [(torch.float16, torch.float16), (torch.float32, torch.float16),
+                                               (torch.float32, torch.float32), (torch.float16, torch.float32),
+                                               (torch.bfloat16, torch.bfloat16)])
+def test_codes_become_the_references_weights_value_for_value(dtype, scale_dtype):
+    # Every code against every zero point, with random scales (some tiny, some large): the
+    # bit trick that replaces the int -> float convert gives the reference's rounded weight.
+    codes, zeros = torch.meshgrid(torch.arange(16), torch.arange(16), indexing="ij")
+    codes, zeros = codes.reshape(-1).to(torch.uint8), zeros.reshape(-1).float()
+    scales = (torch.randn(256) * torch.logspace(-6, 2, 256)).to(scale_dtype)
+    want = ((codes.float() - zeros) * scales.float()).to(dtype)
+    got = torch.empty(256, dtype=dtype)
+    _weights_kernel[(1,)](codes, scales, zeros, got, N=256)
+    if dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 where a GPU rounds (_numerics)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0)
+    else:
+        assert torch.equal(got, want)
+
+
 _BUILD = r"""
 import json, sys
 from graphopt.backends.triton import aot
@@ -164,7 +191,8 @@ results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for 
 print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
                        functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
                                        bits=f.global_load_bits, async_copies=f.async_copies,
-                                       byte_loads=f.details.get("global_loads_8b", 0))
+                                       byte_loads=f.details.get("global_loads_8b", 0),
+                                       int_to_float=f.details["int_to_float_converts"])
                                   for f in r.functions]) for r in results]))
 """
 
@@ -204,6 +232,10 @@ def test_builds_ahead_of_time(builds, arch):
         # group-aligned path) moves in vectors, in every config the tuner may pick.
         assert f["byte_loads"] == 0, f
         assert f["shared"] <= aot.MAX_SHARED[arch], f
+        # Codes become floats by bit tricks (int4_gemm._weights), never by a convert
+        # instruction: those run at an eighth of the FMA rate and bound the first GEMV.
+        if f["label"] != "split-K reduce":
+            assert f["int_to_float"] == 0, f
     # The representative builds (GEMV, MMA paths, reduction) load in 128-bit vectors on every
     # arch: the weight bytes carry no per-k mask on the group-aligned path.
     specs = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16", "decode M=1 split-K",
