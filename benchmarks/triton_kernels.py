@@ -9,7 +9,8 @@ bound, so it also gets TFLOP/s. Then one end-to-end decode step of ``llama-small
 (one new token over a 128-token KV cache) compiled with ``target="triton"`` (with
 Inductor, and with ``inductor=False``) against eager PyTorch, checked to match eager.
 ``int4_gemm`` runs the GEMV (one token) and the 16-row decode at 4096 x 4096 (group 32):
-its bytes are the packed weight, the scales, x and the output. ``softmax_rms_norm`` also
+its bytes are the packed weight, the scales, x and the output; a ``copy`` row moves the same
+bytes with ``Tensor.copy_``, the ceiling at that size. ``softmax_rms_norm`` also
 runs at the seed's width (D = 3584) against unfused torch (softmax, then the RMSNorm ops).
 ``--json`` writes every row for scripts/gpu_check.sh. Needs a CUDA or ROCm GPU; without
 one it prints one line and exits 0.
@@ -77,6 +78,11 @@ def cases(dtype: torch.dtype) -> list[Case]:
     w4 = (q4.packed, q4.scales, None, 32)
     x1, x16 = r(1, hidden), r(16, hidden)
     w4_bytes = _nbytes(q4.packed, q4.scales)
+    # A plain copy that moves the GEMV's bytes (half read, half written): what the copy engine's
+    # path reaches at this size, in the same graph harness. 9 MB is a few µs, where a kernel's
+    # ramp-up and drain weigh against the 1 GiB copy that sets the peak.
+    copy_src = torch.empty(w4_bytes // 2, dtype=torch.uint8, device=dev)
+    copy_dst = torch.empty_like(copy_src)
     wide = r(tokens, 3584)  # the seed's Softmax+RMSNorm width
 
     # One decode step's attention inputs for 8 sequences (Llama-3-8B heads) and their caches.
@@ -100,6 +106,8 @@ def cases(dtype: torch.dtype) -> list[Case]:
              w4_bytes + _nbytes(x1) * 2),
         Case("int4_gemm", f"decode 16 x {hidden} x {hidden}, group 32", lambda: int4_gemm.int4_linear(x16, *w4),
              lambda: ops.int4_linear(x16, *w4), w4_bytes + _nbytes(x16) * 2),
+        Case("copy", f"{w4_bytes / 2**20:.1f} MiB moved: the INT4 GEMV's bytes as a plain copy",
+             lambda: copy_dst.copy_(copy_src), lambda: copy_dst.copy_(copy_src), 2 * _nbytes(copy_src)),
         Case("softmax_rms_norm", f"[{tokens}, 3584] vs unfused torch",
              lambda: rms_norm.softmax_rms_norm(wide, None, 1e-6), unfused_softmax_rms_norm, 2 * _nbytes(wide)),
         Case("rms_norm", row, lambda: rms_norm.rms_norm(x, w, 1e-6), lambda: ops.rms_norm(x, w, 1e-6),

@@ -85,7 +85,8 @@ bench = f"{out}/bench.json"
 for r in json.load(open(bench)) if os.path.exists(bench) else []:
     if r["section"] == "kernels":
         goal = {"int4_gemm": ">= 0.70 (GEMV)", "rms_norm": ">= 0.80", "add_rms_norm": ">= 0.80",
-                "layer_norm": ">= 0.80", "softmax_rms_norm": ">= 0.80"}.get(r["name"], "")
+                "layer_norm": ">= 0.80", "softmax_rms_norm": ">= 0.80",
+                "copy": "the ceiling at the GEMV's size"}.get(r["name"], "")
         t.add_row("kernels", f"{r['name']} {r['shape']}",
                   f"{r['of_copy_bw']:.2f} of copy BW on the device ({r['device_ms'] * 1e3:.1f} us); launched "
                   f"{r['triton_ms'] * 1e3:.1f} us ({r['launched_of_copy_bw']:.2f}), host {r['host_us']:.0f} us; "
