@@ -22,10 +22,13 @@ is 32 bits wide there). The GEMV prefetches the next step's weights by hand.
 
 Two shapes, two tunings (``int4_linear`` picks by M):
 - decode (M <= 16): few rows and the whole weight to stream. One token is a GEMV on
-  the FMA units with its own tuning (``int4_gemm_gemv``): its widest tiles step over whole
-  groups (BLOCK_K = 4-8 groups of 32: four 128-bit loads of codes per thread a step, with
-  the next step's in flight), split x into even and odd k rather than interleave the
-  nibbles, and keep each column's sum in one thread; 2-16 rows use one 16-row
+  the FMA units: int4_gemv.py's word kernel when the groups hold whole 32-k sub-groups and
+  the rows are 16-byte aligned (the usual case; about 5 instructions per weight element
+  where this kernel's GEMV takes 7.4-9.4), else this kernel with its own tuning
+  (``int4_gemm_gemv``), whose widest tiles step over whole groups (BLOCK_K = 4-8 groups of
+  32: four 128-bit loads of codes per thread a step, with the next step's in flight), split
+  x into even and odd k rather than interleave the nibbles, and keep each column's sum in
+  one thread; 2-16 rows use one 16-row
   MMA tile (the rows past M are masked: the kernel is bound by the weight stream, so the
   padding costs no time, and an FMA product of 8 rows would not fit in registers). K is
   split over SPLIT programs so that a single token fills the GPU; their fp32 partial
@@ -42,7 +45,7 @@ from torch import Tensor
 
 from graphopt.ops.quant import check_format
 
-from . import _common
+from . import _common, int4_gemv, splitk_reduce
 from ._device import dot
 from .int4_gemm_configs import (  # noqa: F401  (registry.tuning_specs and the tests read them here)
     GEMV_BYTES_PER_THREAD, decode_gpu_configs, gemv_bytes_per_thread, gemv_gpu_configs, gemv_sub_group,
@@ -255,36 +258,6 @@ def int4_gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@triton.jit
-def int4_splitk_reduce_kernel(
-    part_ptr,     # *fp32 [splits, M * N] the split programs' partial sums
-    b_ptr,        # *T [N] bias; read only if HAS_BIAS
-    out_ptr,      # *T [M * N] output, contiguous
-    MN,           # i32 M * N
-    N,            # i32 output features (the bias repeats every N)
-    splits,       # i32 partial sums per output
-    HAS_BIAS: tl.constexpr,  # add the bias to the fp32 total before the cast
-    BLOCK: tl.constexpr,     # outputs per program
-):
-    """Second stage of split-K: sum the partials in fp32, add the bias, cast, store.
-
-    A kernel rather than torch ops, so the reduction is one launch that reads the
-    workspace once (and is captured with the rest of a decode step in a CUDA graph).
-    Split-order summation makes the result deterministic, unlike atomics.
-    """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(0, splits):
-        acc += tl.load(part_ptr + s * MN + offs, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-REDUCE_BLOCK, REDUCE_WARPS = 1024, 4  # 8 fp32 per thread of a 32-wide warp: two 128-bit loads per split
-
-
 _DECODE_KEY = ["N", "K", "GROUP", "HAS_ZEROS", "SPLIT", "BLOCK_M"]
 # The interpreter's GEMV tile steps over two sub-groups of 32 (of one group of 64 or 128, or
 # of two groups of 32) or four groups of 16; groups like 48 take the masked fallback.
@@ -342,6 +315,9 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
         int4_gemm_prefill[grid](x2, packed, scales, zeros, bias_arg, o2, m, n, k, k, *strides, o2.stride(0),
                                 HAS_BIAS=bias is not None, SPLIT=False, **common)
         return out
+    if m == 1 and int4_gemv.fits(packed, group_size):
+        int4_gemv.int4_gemv(x2, packed, scales, zeros, group_size, bias, bias_arg, o2, split_k)
+        return out
     splits = split_k or _split_count(m, n, groups, x.device)
     per_split = triton.cdiv(groups, splits) * group_size
     splits = triton.cdiv(k, per_split)  # no empty split programs
@@ -356,28 +332,28 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     partial = torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
     decode[grid](x2, packed, scales, zeros, bias_arg, partial, m, n, k, per_split, *strides, n,
                            HAS_BIAS=False, SPLIT=True, BLOCK_M=block_m, **common)
-    block = 128 if _common.interpreting() else REDUCE_BLOCK
-    int4_splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-        partial, bias_arg, o2, m * n, n, splits, HAS_BIAS=bias is not None, BLOCK=block,
-        num_warps=REDUCE_WARPS * 32 // _common.warp_size())
+    splitk_reduce.reduce_partials(partial, bias, bias_arg, o2, splits)
     return out
 
 
 GEMV_SPEC = "decode M=1 split-K, 4 groups a step"
+WORD_GEMV_SPEC = "GEMV M=1 on 32-bit words, split-K"
 
 
 def tuning_groups(hip: bool) -> list[tuple[str, list[triton.Config]]]:
-    """registry.tuning_specs builds each MMA config on the prefill spec and each grouped GEMV
-    tile on the GEMV spec: every config either autotuner may pick at group 32."""
-    return [("prefill 128x128x32", gpu_configs(hip)), (GEMV_SPEC, grouped_gemv_configs(hip))]
+    """registry.tuning_specs builds each MMA config on the prefill spec, each grouped GEMV
+    tile on the GEMV spec and each word-GEMV tile on its spec: every config an autotuner may
+    pick at group 32."""
+    return [("prefill 128x128x32", gpu_configs(hip)), (GEMV_SPEC, grouped_gemv_configs(hip)),
+            (WORD_GEMV_SPEC, int4_gemv.gpu_configs(hip))]
 
 
 def aot_specs(name: str, warp: int) -> list[dict]:
     """fp16, group 32, symmetric, K = N = 4096 (a Llama-7B projection) as the JIT sees them:
     prefill on 128x128 MMA tiles (first: registry.tuning_specs builds every config on it),
     decode of 16 rows on MMA with the vendor's first decode config, one token (GEMV on FMA,
-    split over K) with the first grouped tile and with the first one-group tile, and the
-    split-K reduction."""
+    split over K) with the first grouped tile and with the first one-group tile, the
+    split-K reduction, and int4_gemv's word GEMV (what one token runs on aligned rows)."""
     sig = {"x_ptr": "*fp16", "w_ptr": "*u8", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*fp16",
            "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "k_per_split": "i32", "stride_xm": "i32",
            "stride_wn": "i32", "stride_sn": "i32", "stride_zn": "i32", "stride_om": "i32"}
@@ -399,8 +375,15 @@ def aot_specs(name: str, warp: int) -> list[dict]:
                 label=GEMV_SPEC)
     in_group = dict(gemv, num_warps=dec.num_warps, num_stages=dec.num_stages,
                     constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **dec.kwargs}, label="decode M=1 split-K")
-    reduce = dict(fn=int4_splitk_reduce_kernel, signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16",
+    reduce = dict(fn=splitk_reduce.splitk_reduce_kernel, signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16",
                                                            "MN": "i32", "N": "i32", "splits": "i32"},
-                  divisible=("MN", "N"), num_warps=REDUCE_WARPS * 32 // warp, num_stages=1,
-                  constexprs={"HAS_BIAS": False, "BLOCK": REDUCE_BLOCK}, label="split-K reduce")
-    return [prefill, decode16, gemv, in_group, reduce]
+                  divisible=("MN", "N"), num_warps=splitk_reduce.WARPS * 32 // warp, num_stages=1,
+                  constexprs={"HAS_BIAS": False, "BLOCK": splitk_reduce.BLOCK}, label="split-K reduce")
+    first_words = int4_gemv.gpu_configs(hip)[0]
+    words = dict(fn=int4_gemv.int4_gemv_kernel,
+                 signature={k: v for k, v in sig.items() if k not in ("M", "stride_xm", "stride_om")} | {
+                     "out_ptr": "*fp32"},
+                 divisible=("N", "K", "k_per_split", "stride_wn"), num_warps=first_words.num_warps, num_stages=1,
+                 constexprs={"GROUP": 32, "HAS_ZEROS": False, "HAS_BIAS": False, "SPLIT": True, "EVEN_K": True,
+                             **first_words.kwargs}, label=WORD_GEMV_SPEC)
+    return [prefill, decode16, gemv, in_group, reduce, words]

@@ -35,9 +35,21 @@ def weight(n: int, k: int, group: int, symmetric: bool, dtype=torch.float16):
     return q.packed, q.scales, q.zeros
 
 
-def check(m, n, k, group, dtype, symmetric=True, bias=False, lead=(), split_k=None):
-    """int4_linear against the reference op; M = 1 is the GEMV, 2-16 rows one MMA tile, more the prefill."""
+def misaligned(packed: torch.Tensor) -> torch.Tensor:
+    """The same codes 8 bytes past a 16-byte boundary: the word GEMV cannot take them."""
+    buf = torch.empty(packed.numel() + 16, dtype=torch.uint8)
+    start = (8 - buf.data_ptr()) % 16
+    view = buf[start:start + packed.numel()].view(packed.shape)
+    view.copy_(packed)
+    assert view.data_ptr() % 16 == 8
+    return view
+
+
+def check(m, n, k, group, dtype, symmetric=True, bias=False, lead=(), split_k=None, aligned=True):
+    """int4_linear against the reference op; M = 1 is the GEMV (int4_gemv.py's word kernel
+    when the rows are aligned, else int4_gemm's own), 2-16 rows one MMA tile, more the prefill."""
     packed, scales, zeros = weight(n, k, group, symmetric, dtype)
+    packed = packed if aligned else misaligned(packed)
     x = randn(*lead, m, k, dtype=dtype)
     b = randn(n, dtype=dtype) if bias else None
     out = poisoned((*lead, m, n), dtype)
@@ -133,14 +145,36 @@ def test_prune_gives_the_gemv_whole_group_steps_and_the_mma_tiles_none():
     assert {c.kwargs["BLOCK_K"] for c in mma} == {32}
 
 
+@pytest.mark.parametrize("aligned", [True, False])
 @pytest.mark.parametrize("k,group,split_k", [(160, 32, 2), (160, 32, 3), (96, 16, 2), (200, 64, 1), (256, 128, 2)])
-def test_gemv_steps_of_whole_groups_stop_at_their_split(k, group, split_k):
-    # The interpreter's GEMV tile steps over 64 k: two groups of 32, four of 16, or two
+def test_gemv_steps_of_whole_groups_stop_at_their_split(k, group, split_k, aligned):
+    # int4_gemm's GEMV tile (interpreter) steps over 64 k: two groups of 32, four of 16, or two
     # sub-groups of 32 inside a group of 64 or 128; a split of 3 groups of 32 ends inside a
-    # step, so its second group must not be read twice.
+    # step, so its second group must not be read twice. Aligned rows with groups of 32-128
+    # take int4_gemv's word kernel instead, whose steps are 32 k.
     assert int4_gemm.int4_gemm_gemv.configs[0].kwargs["BLOCK_K"] == 64
-    check(1, 40, k, group, torch.float32, symmetric=False, bias=True, split_k=split_k)
-    check(1, 40, k, group, torch.bfloat16, split_k=split_k)
+    check(1, 40, k, group, torch.float32, symmetric=False, bias=True, split_k=split_k, aligned=aligned)
+    check(1, 40, k, group, torch.bfloat16, split_k=split_k, aligned=aligned)
+
+
+class _Launches:
+    """Counts the launches of an autotuned kernel while passing them through."""
+
+    def __init__(self, tuned):
+        self.tuned, self.count = tuned, 0
+
+    def __getitem__(self, grid):
+        self.count += 1
+        return self.tuned[grid]
+
+
+@pytest.mark.parametrize("group,aligned,word_kernel", [(32, True, True), (128, True, True), (16, True, False),
+                                                       (48, True, False), (32, False, False)])
+def test_one_token_takes_the_word_kernel_when_groups_and_rows_allow(monkeypatch, group, aligned, word_kernel):
+    launches = _Launches(int4_gemm.int4_gemv.int4_gemv_tuned)
+    monkeypatch.setattr(int4_gemm.int4_gemv, "int4_gemv_tuned", launches)
+    check(1, 24, 2 * group if group != 48 else 96, group, torch.float16, symmetric=False, aligned=aligned)
+    assert launches.count == (1 if word_kernel else 0)
 
 
 def test_split_k_sums_on_the_device_not_in_torch(monkeypatch):
@@ -224,7 +258,8 @@ def test_builds_ahead_of_time(builds, arch):
     warp = aot.ARCHS[arch][2]
     hip = warp == 64
     n_tuning = (len(int4_gemm.prune_configs(int4_gemm.gpu_configs(hip), {"GROUP": 32}))
-                + len(int4_gemm.prune_configs(int4_gemm.grouped_gemv_configs(hip), {"GROUP": 32, "BLOCK_M": 1})))
+                + len(int4_gemm.prune_configs(int4_gemm.grouped_gemv_configs(hip), {"GROUP": 32, "BLOCK_M": 1}))
+                + len(int4_gemm.int4_gemv.gpu_configs(hip)))
     assert len(r["functions"]) == len(int4_gemm.aot_specs("int4_gemm", warp)) + n_tuning
     for f in r["functions"]:
         assert f["registers"] and f["spills"] == 0, f"{f['label'] or 'spec'} on {arch} spills {f['spills']} bytes"
@@ -239,8 +274,9 @@ def test_builds_ahead_of_time(builds, arch):
     # The representative builds (GEMV, MMA paths, reduction) load in 128-bit vectors on every
     # arch: the weight bytes carry no per-k mask on the group-aligned path.
     specs = [f for f in r["functions"] if f["label"] in ("prefill 128x128x32", "decode M=16", "decode M=1 split-K",
-                                                            "decode M=1 split-K, 4 groups a step", "split-K reduce")]
-    assert len(specs) == 5 and all(f["bits"] >= 128 for f in specs), specs
+                                                            "decode M=1 split-K, 4 groups a step", "split-K reduce",
+                                                            int4_gemm.WORD_GEMV_SPEC)]
+    assert len(specs) == 6 and all(f["bits"] >= 128 for f in specs), specs
     if not hip:  # the MMA paths' weight and x loads are software-pipelined: cp.async stages in flight
         mma = [f for f in specs if f["label"] in ("prefill 128x128x32", "decode M=16")]
         assert all(f["async_copies"] > 0 for f in mma), mma
