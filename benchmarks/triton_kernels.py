@@ -76,6 +76,10 @@ def cases(dtype: torch.dtype) -> list[Case]:
     row = f"[{tokens}, {hidden}]"
     q4 = quantize_int4(torch.randn(hidden, hidden, device=dev) * 0.05, 32, True, "float16", "rtn")
     w4 = (q4.packed, q4.scales, None, 32)
+    # The same codes 8 bytes off a 16-byte boundary: one token then runs int4_gemm's own FMA
+    # GEMV instead of int4_gemv's word kernel, so the two are timed side by side.
+    shifted = torch.empty(q4.packed.numel() + 16, dtype=torch.uint8, device=dev)[8:8 + q4.packed.numel()]
+    w4_fma = (shifted.view(q4.packed.shape).copy_(q4.packed), q4.scales, None, 32)
     x1, x16 = r(1, hidden), r(16, hidden)
     w4_bytes = _nbytes(q4.packed, q4.scales)
     # A plain copy that moves the GEMV's bytes (half read, half written): what the copy engine's
@@ -101,6 +105,9 @@ def cases(dtype: torch.dtype) -> list[Case]:
     return [
         Case("int4_gemm", f"GEMV 1 x {hidden} x {hidden}, group 32", lambda: int4_gemm.int4_linear(x1, *w4),
              lambda: ops.int4_linear(x1, *w4), w4_bytes + _nbytes(x1) * 2),
+        Case("int4_gemm", f"GEMV 1 x {hidden} x {hidden}, group 32, int4_gemm's FMA tiles (unaligned rows)",
+             lambda: int4_gemm.int4_linear(x1, *w4_fma), lambda: ops.int4_linear(x1, *w4),
+             w4_bytes + _nbytes(x1) * 2),
         Case("int4_gemm", f"GEMV 1 x {hidden} x {hidden}, group 32, one split",
              lambda: int4_gemm.int4_linear(x1, *w4, split_k=1), lambda: ops.int4_linear(x1, *w4),
              w4_bytes + _nbytes(x1) * 2),
@@ -349,9 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(case.name, case.shape, f"{dev_ms:.4f}", f"{t_ms:.4f}", f"{launch_us:.0f}", f"{ref_ms:.3f}",
                       f"{ref_ms / t_ms:.2f}x", f"{bw / 1e9:.0f}", f"{bw / peak:.2f}", tflops)
         config = ""
-        if case.name == "int4_gemm":  # which tile won: the grouped GEMV tiles have not been timed before
-            from graphopt.backends.triton.kernels import int4_gemm
-            tuner = int4_gemm.int4_gemm_gemv if case.shape.startswith("GEMV") else int4_gemm.int4_gemm_decode
+        if case.name == "int4_gemm":  # which tile won: the word GEMV's tiles have not been timed before
+            from graphopt.backends.triton.kernels import int4_gemm, int4_gemv
+            tuner = (int4_gemm.int4_gemm_gemv if "FMA tiles" in case.shape else
+                     int4_gemv.int4_gemv_tuned if case.shape.startswith("GEMV") else int4_gemm.int4_gemm_decode)
             best = getattr(tuner, "best_config", None)
             config = f"{best.kwargs} w{best.num_warps} s{best.num_stages}" if best is not None else ""
         record(dict(section="kernels", name=case.name, shape=case.shape, device_ms=dev_ms, triton_ms=t_ms,
