@@ -59,9 +59,9 @@ def _load_step(w_ptr, s_ptr, z_ptr, n64, n_ok, offs_j, k0, k_end, stride_wn, str
                GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weight stream of the K step at ``k0``: packed bytes [BLOCK_K / 2, BLOCK_N] (u8),
     and the scales (in their own dtype) and zero points (fp32) as [1, BLOCK_N] when the
-    step lies in one group, else [BLOCK_K / 2, BLOCK_N] (one per byte: GROUP is even, so a byte's two codes share
-    a group). ``n_ok`` masks columns; it is all false for a step past the end (the GEMV's
-    last prefetch).
+    step lies in one group, else [BLOCK_K / 2, BLOCK_N] (one per byte: GROUP is even, so a
+    byte's two codes share a group). ``n_ok`` masks columns; it is all false for a step
+    past the end (the GEMV's last prefetch).
     """
     if GROUP % BLOCK_K == 0:
         # The common path. k0 is a multiple of BLOCK_K (splits start on group boundaries)
@@ -375,8 +375,9 @@ def aot_specs(name: str, warp: int) -> list[dict]:
                 label=GEMV_SPEC)
     in_group = dict(gemv, num_warps=dec.num_warps, num_stages=dec.num_stages,
                     constexprs={**base, "SPLIT": True, "BLOCK_M": 1, **dec.kwargs}, label="decode M=1 split-K")
-    reduce = dict(fn=splitk_reduce.splitk_reduce_kernel, signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16",
-                                                           "MN": "i32", "N": "i32", "splits": "i32"},
+    reduce = dict(fn=splitk_reduce.splitk_reduce_kernel,
+                  signature={"part_ptr": "*fp32", "b_ptr": "*fp16", "out_ptr": "*fp16", "MN": "i32", "N": "i32",
+                             "splits": "i32"},
                   divisible=("MN", "N"), num_warps=splitk_reduce.WARPS * 32 // warp, num_stages=1,
                   constexprs={"HAS_BIAS": False, "BLOCK": splitk_reduce.BLOCK}, label="split-K reduce")
     first_words = int4_gemv.gpu_configs(hip)[0]
