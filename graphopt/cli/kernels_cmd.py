@@ -5,9 +5,11 @@ sm_80 / sm_90 produce PTX and a cubin, AMD gfx90a / gfx942 amdgcn and a hsaco. E
 (kernel, arch) reports whether it built (or the error), registers, shared memory and
 spills where the compiler reports them, and two load facts read from the PTX / amdgcn:
 ``global_load_bits`` (the widest global load; 128 is a full vector) and ``async_copies``
-(cp.async / direct-to-LDS copies, the asynchronous prefetch). ``variants`` lists the
-same numbers for each compiled function (a spec or, with ``--tuning``, a config); the
-row's ``global_load_bits`` is the narrowest variant's and ``async_copies`` their sum.
+(cp.async / direct-to-LDS copies, the asynchronous prefetch), and ``int_to_float_converts``
+(integer-to-float convert instructions, which run at a fraction of the FMA rate: one per
+element bounds a dequantizing kernel). ``variants`` lists the same numbers for each
+compiled function (a spec or, with ``--tuning``, a config); the row's ``global_load_bits``
+is the narrowest variant's, ``async_copies`` and ``int_to_float_converts`` their sums.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from graphopt.cli.output import console, error_line, print_json, status_console,
 JSON_FIELDS = ("kernel", "arch", "built", "error", "registers", "shared_memory", "spills", "global_load_bits",
                "async_copies")
 VARIANT_FIELDS = ("label", "function", "registers", "shared_memory", "spills", "global_load_bits", "async_copies")
+CONVERTS = "int_to_float_converts"  # read from each function's details (aot.py)
 
 
 def kernels(
@@ -34,7 +37,8 @@ def kernels(
                                   help="keep the PTX/cubin/amdgcn/hsaco here (default: a temp dir removed at exit)"),
     jobs: int = typer.Option(1, "--jobs", "-j", min=1, help="build in this many child processes"),
     json_out: bool = typer.Option(False, "--json", help="print a JSON list of {kernel, arch, built, error, "
-                                  "registers, shared_memory, spills, global_load_bits, async_copies, variants}"),
+                                  "registers, shared_memory, spills, global_load_bits, async_copies, "
+                                  "int_to_float_converts, variants}"),
 ) -> None:
     """List the Triton kernels and build each for the asked GPU architectures, without a GPU.
 
@@ -68,8 +72,10 @@ def kernels(
 
 def _row(result) -> dict:
     row = {f: getattr(result, f) for f in JSON_FIELDS}
-    row["variants"] = [{f: getattr(fb, "name" if f == "function" else f) for f in VARIANT_FIELDS}
-                       for fb in result.functions]
+    row["variants"] = [{**{f: getattr(fb, "name" if f == "function" else f) for f in VARIANT_FIELDS},
+                        CONVERTS: fb.details.get(CONVERTS)} for fb in result.functions]
+    counts = [v[CONVERTS] for v in row["variants"] if v[CONVERTS] is not None]
+    row[CONVERTS] = sum(counts) if counts else None
     return row
 
 
@@ -116,10 +122,10 @@ def _print_human(rows: list[dict], kernels: dict, cache_dir: str) -> None:
     built = sum(r["built"] for r in rows)
     title = f"graphopt Triton kernels: {built} of {len(rows)} builds succeeded"
     console.print(table(title, ["kernel", "op", "arch", "built", "registers", "shared memory (B)", "spills (B)",
-                                "load bits", "async copies"],
+                                "load bits", "async copies", "int->float converts"],
                         [[r["kernel"], kernels[r["kernel"]].op, r["arch"], "yes" if r["built"] else "[red]no[/]",
                           r["registers"], r["shared_memory"], r["spills"], r["global_load_bits"],
-                          r["async_copies"]] for r in rows]))
+                          r["async_copies"], r[CONVERTS]] for r in rows]))
     for r in rows:
         if not r["built"]:
             console.print(f"[red]failed[/] {r['kernel']} for {r['arch']}: {r['error']}", soft_wrap=True)

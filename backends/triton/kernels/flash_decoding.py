@@ -33,7 +33,7 @@ from graphopt.ops.attention import check_cache_attention
 from graphopt.ops.kv_cache import cache_length, read_cache
 
 from . import _common
-from ._device import dot
+from ._device import dot, int8_to_float
 from .flash_attention import capped_scores, check_qkv, flash_attention, score_scales, unit_last
 
 
@@ -129,7 +129,7 @@ def flash_decoding_split_kernel(
                      mask=n_valid[None, :] & (offs_d[:, None] < head_dim), other=0.0)
         if QUANT:
             # int8 is exact in every float type; its scale multiplies the raw scores instead.
-            qk = dot(q, kt.to(q.dtype), DOT_F32)
+            qk = dot(q, int8_to_float(kt, q.dtype), DOT_F32)
             k_scale = tl.load(ks_base + ks_off, mask=n_valid, other=0.0)
             qk = qk * k_scale[None, :]
         else:
@@ -153,7 +153,7 @@ def flash_decoding_split_kernel(
         if QUANT:
             # sum_j p_j * (s_j * v_j) = sum_j (p_j * s_j) * v_j: the V scale weighs the probabilities.
             v_scale = tl.load(vs_base + vs_off, mask=n_valid, other=0.0)
-            acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(q.dtype), v.to(q.dtype), DOT_F32)
+            acc = acc * alpha[:, None] + dot((p * v_scale[None, :]).to(q.dtype), int8_to_float(v, q.dtype), DOT_F32)
         else:
             acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_F32)
         m_i = m_new

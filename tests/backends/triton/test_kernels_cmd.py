@@ -17,7 +17,7 @@ from graphopt.backends.triton.registry import KERNELS
 from graphopt.cli.main import app
 
 FIELDS = {"kernel", "arch", "built", "error", "registers", "shared_memory", "spills", "global_load_bits",
-          "async_copies", "variants"}
+          "async_copies", "int_to_float_converts", "variants"}
 
 
 def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
@@ -36,6 +36,7 @@ def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
         assert r["variants"] and all(v["spills"] == 0 for v in r["variants"]), r
         assert r["global_load_bits"] == min(v["global_load_bits"] for v in r["variants"]), r
         assert r["async_copies"] == sum(v["async_copies"] for v in r["variants"]), r
+        assert r["int_to_float_converts"] == sum(v["int_to_float_converts"] for v in r["variants"]), r
     # The done-when: INT4 weights move in 128-bit vectors on every path, and the
     # tiled (MMA) paths prefetch them asynchronously where the compiler does (cp.async on
     # sm_90; triton 3.9 stages gfx942 loads through registers, so no async copy there).
@@ -46,6 +47,11 @@ def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
             assert len(tiled) == 2, r
             if r["arch"] == "sm_90":
                 assert all(v["async_copies"] > 0 for v in tiled), r
+            # Codes become floats by bit tricks: no convert instruction anywhere in the kernel.
+            assert r["int_to_float_converts"] == 0, r
+        if r["kernel"] == "cache_attention":  # an int8 cache dequantizes without converts too
+            converts = {v["label"]: v["int_to_float_converts"] for v in r["variants"]}
+            assert converts["int8 paged"] == converts["fp16 bhsd"], r
 
 
 def test_table_shows_each_build_and_the_error_of_a_failed_one(monkeypatch):
@@ -61,7 +67,7 @@ def test_table_shows_each_build_and_the_error_of_a_failed_one(monkeypatch):
     assert result.exit_code == 1, result.output  # a failed build fails the command
     assert "1 of 2 builds succeeded" in result.stdout
     for text in ("graphopt.rms_norm", "graphopt.swiglu", "registers", "shared memory", "spills", "load bits",
-                 "async copies",
+                 "async copies", "int->float",
                  "failed swiglu for gfx942: CompilationError: out of LDS"):
         assert text in result.stdout, text
 
