@@ -51,12 +51,18 @@ def rms_norm_kernel(
         norm_dtype = x_ptr.dtype.element_ty
     if SOFTMAX:
         x = tl.where(mask, x, float("-inf"))
-        e = tl.exp(x - tl.max(x, axis=0))  # masked lanes give exp(-inf) = 0
+        # exp(x - max) as exp2(x * log2(e) - max * log2(e)): one FFMA before the exp2 where
+        # x - max and the exp's own scaling by log2(e) take two instructions per element.
+        LOG2E: tl.constexpr = 1.4426950408889634
+        e = tl.exp2(x * LOG2E - tl.max(x, axis=0) * LOG2E)  # masked lanes give exp2(-inf) = 0
         # softmax is rounded to the input dtype before it is normalised, as in the reference.
-        x = (e / tl.sum(e, axis=0)).to(norm_dtype).to(tl.float32)
+        x = (e * (1.0 / tl.sum(e, axis=0))).to(norm_dtype).to(tl.float32)
     mean_sq = tl.sum(x * x, axis=0) / n_cols  # masked lanes hold 0 and add nothing
-    y = (x * tl.rsqrt(mean_sq + eps)).to(norm_dtype).to(tl.float32)
+    y = x * tl.rsqrt(mean_sq + eps)
     if HAS_WEIGHT:
+        # The reference rounds the normalised row before the weight multiplies it; without a
+        # weight the store's own rounding is that rounding, so no round trip is spent on it.
+        y = y.to(norm_dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         # (w + offset) is rounded to the weight's dtype first, as the reference adds it there.
         y = y * (w + weight_offset).to(w_ptr.dtype.element_ty).to(tl.float32)
