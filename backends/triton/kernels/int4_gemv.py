@@ -25,7 +25,7 @@ per element (the MMA paths of int4_gemm.py keep the rounded weight, as tl.dot ne
 Each thread holds COLS = BLOCK_N / threads columns, so one x (load, cast, scale) serves
 COLS codes; the next step's words are loaded before the current step's math. K is split
 over SPLIT programs to fill the GPU; their fp32 partials go to a workspace that
-int4_gemm's reduce kernel sums (bias and cast fused there).
+splitk_reduce.py's kernel sums (bias and cast fused there).
 """
 
 from __future__ import annotations
