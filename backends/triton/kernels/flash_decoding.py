@@ -4,10 +4,10 @@ With one query per head, a program per head has too little work to fill the GPU 
 reads K/V once per query head. Here one program takes one KV head, all the query heads
 that share it (GQA: K/V are read once for the whole group), and one contiguous split
 of the cache; it writes a normalised partial output and its log-sum-exp. A second
-kernel weighs the splits by exp(lse - max) and sums them. A soft cap on the scores is the
-prefill kernel's (``capped_scores``), behind the same constexpr. Query heads are padded to
-16 rows because tl.dot needs M >= 16; decoding is bound by the K/V reads, not by
-the wasted MMA rows.
+kernel (flash_decoding_reduce.py) weighs the splits by exp(lse - max) and sums them. A
+soft cap on the scores is the prefill kernel's (``capped_scores``), behind the same
+constexpr. Query heads are padded to 16 rows because tl.dot needs M >= 16; decoding is
+bound by the K/V reads, not by the wasted MMA rows.
 
 Over a static cache (``graphopt.cache_attention``) the same kernels take per-row valid
 lengths from device memory (so one launch, or one CUDA graph, serves every step): a split
@@ -34,6 +34,7 @@ from graphopt.ops.kv_cache import cache_length, read_cache
 
 from . import _common
 from ._device import dot, int8_to_float
+from .flash_decoding_reduce import flash_decoding_reduce_kernel
 from .flash_attention import capped_scores, check_qkv, flash_attention, score_scales, unit_last
 
 
@@ -169,46 +170,6 @@ def flash_decoding_split_kernel(
     tl.store(lse_ptr + row, lse, mask=live)
     tl.store(o_part_ptr + row[:, None] * v_dim + offs_dv[None, :], o,
              mask=live[:, None] & (offs_dv[None, :] < v_dim))
-
-
-@triton.jit
-def flash_decoding_reduce_kernel(
-    o_part_ptr,   # *fp32 [B, Hq, num_splits, Dv] partial outputs of the split kernel
-    lse_ptr,      # *fp32 [B, Hq, num_splits] their log2-sum-exp2
-    out_ptr,      # *T [B, Hq, 1, Dv] output
-    lengths_ptr,  # *i32/i64 [B] valid keys per row; read only if LENGTHS
-    stride_ob, stride_oh,  # i32 element strides of out
-    stride_lb,    # i32 stride of lengths
-    n_q_heads,    # i32 Hq
-    num_splits,   # i32 splits per head
-    split_len,    # i32 keys per split
-    kv_len,       # i32 positions the buffer holds per row
-    v_dim,        # i32 Dv
-    LENGTHS: tl.constexpr,   # read only the splits below lengths[b]
-    BLOCK_S: tl.constexpr,   # power of two >= num_splits
-    BLOCK_DV: tl.constexpr,  # power of two >= Dv
-):
-    bh = tl.program_id(0).to(tl.int64)
-    b = bh // n_q_heads
-    h = bh % n_q_heads
-    splits = tl.arange(0, BLOCK_S)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    if LENGTHS:
-        row_len = tl.minimum(tl.load(lengths_ptr + b * stride_lb).to(tl.int32), kv_len)
-        used = tl.minimum((row_len + split_len - 1) // split_len, num_splits)
-    else:
-        used = num_splits
-    s_valid = splits < used
-    lse = tl.load(lse_ptr + bh * num_splits + splits, mask=s_valid, other=float("-inf"))
-    # No visible key in any split: every weight is 0 and so is the output (the reference's safe softmax).
-    top = tl.max(lse, axis=0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    o = tl.load(o_part_ptr + (bh * num_splits + splits[:, None]) * v_dim + offs_dv[None, :],
-                mask=s_valid[:, None] & (offs_dv[None, :] < v_dim), other=0.0)
-    total = tl.sum(w, axis=0)
-    out = tl.sum(w[:, None] * o, axis=0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_dv, out.to(out_ptr.dtype.element_ty),
-             mask=offs_dv < v_dim)
 
 
 # The launcher sizes splits in keys, so BLOCK_N is fixed rather than tuned.

@@ -19,7 +19,8 @@ import torch  # noqa: E402
 
 # Dependency order: _common first, flash_attention before the modules that import it.
 _KERNEL_MODULES = ["_common", "rms_norm", "layer_norm", "activations", "rope", "flash_attention",
-                   "flash_decoding", "attention", "kv_cache", "splitk_reduce", "int4_gemv", "int4_gemm"]
+                   "flash_decoding_reduce", "flash_decoding", "attention", "kv_cache", "splitk_reduce", "int4_gemv",
+                   "int4_gemm"]
 
 
 def _reload_compiled_kernel_modules() -> None:
