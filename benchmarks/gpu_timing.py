@@ -13,6 +13,8 @@ the two questions apart:
   captured decode step never pays.
 - :class:`ReplayRecorder`: keeps the replay of each CUDA graph graphopt captures, so a
   benchmark can time the captured decode step alone, without the generate loop around it.
+- :func:`kernel_ms_per_step`: the device time of one uncaptured decode step's kernels
+  (torch.profiler), which the captured step is measured against.
 """
 
 from __future__ import annotations
@@ -94,3 +96,25 @@ class ReplayRecorder:
         from graphopt.cuda_graphs import TorchGraphs
 
         TorchGraphs.capture = self._original
+
+
+def kernel_ms_per_step(model, ids, new_tokens: int) -> float:
+    """Device time of one uncaptured decode step: the sum of its kernels (torch.profiler).
+
+    Two runs of different lengths, differenced, so the prefill's kernels cancel out.
+    """
+    import graphopt
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    graphopt.reset()
+    options = {"target": "triton", "disable_passes": ["cuda_graphs"]}
+    graphopt.generate(model, ids, 4, options=options)  # compile outside the profiles
+
+    def kernel_ms(n: int) -> float:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graphopt.generate(model, ids, n, options=options)
+        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+
+    short = max(2, new_tokens // 4)
+    return (kernel_ms(new_tokens) - kernel_ms(short)) / (new_tokens - short)

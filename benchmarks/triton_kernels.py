@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from gpu_timing import ReplayRecorder, graph_ms, host_us, replay_ms
+from gpu_timing import ReplayRecorder, graph_ms, host_us, kernel_ms_per_step, replay_ms
 
 # Input copies the device timing rotates over: 12 INT4 weights of 4096 x 4096 are 108 MB,
 # about twice the H200's L2, so the weight streams from HBM as a model's layers do.
@@ -266,28 +266,6 @@ def first_divergence(model, ids: torch.Tensor, got: torch.Tensor, want: torch.Te
         logits = model(torch.cat([ids[:1], want[:1, :step]], dim=1))[0][0, -1].float()
     top = logits.topk(2).values
     return {"first_divergence": step, "ref_margin": ((top[0] - top[1]) / top[0].abs()).item()}
-
-
-def kernel_ms_per_step(model, ids, new_tokens: int) -> float:
-    """Device time of one uncaptured decode step: the sum of its kernels (torch.profiler).
-
-    Two runs of different lengths, differenced, so the prefill's kernels cancel out.
-    """
-    import graphopt
-    from torch.profiler import ProfilerActivity, profile
-
-    torch._dynamo.reset()
-    graphopt.reset()
-    options = {"target": "triton", "disable_passes": ["cuda_graphs"]}
-    graphopt.generate(model, ids, 4, options=options)  # compile outside the profiles
-
-    def kernel_ms(n: int) -> float:
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graphopt.generate(model, ids, n, options=options)
-        return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
-
-    short = max(2, new_tokens // 4)
-    return (kernel_ms(new_tokens) - kernel_ms(short)) / (new_tokens - short)
 
 
 def main(argv: list[str] | None = None) -> int:
