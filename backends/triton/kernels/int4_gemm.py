@@ -276,15 +276,6 @@ int4_gemm_prefill = triton.autotune(
 )(int4_gemm_kernel)
 
 
-def _split_count(m: int, n: int, groups: int, device: torch.device) -> int:
-    """K splits for a decode launch: enough programs for two per SM (CU), in whole groups."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    tiles = triton.cdiv(n, 128)  # the decode configs' typical BLOCK_N
-    return max(1, min(groups, (2 * sms) // max(1, tiles)))
-
-
 def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None, group_size: int,
                 bias: Tensor | None = None, *, out: Tensor | None = None, split_k: int | None = None) -> Tensor:
     """``graphopt.int4_linear`` for x [..., K]: the decode kernel for M <= 16 rows, prefill above.
@@ -318,9 +309,8 @@ def int4_linear(x: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor | None,
     if m == 1 and int4_gemv.fits(packed, group_size):
         int4_gemv.int4_gemv(x2, packed, scales, zeros, group_size, bias, bias_arg, o2, split_k)
         return out
-    splits = split_k or _split_count(m, n, groups, x.device)
-    per_split = triton.cdiv(groups, splits) * group_size
-    splits = triton.cdiv(k, per_split)  # no empty split programs
+    # Two programs per SM (CU) with the decode configs' typical 128-column tiles.
+    splits, per_split = splitk_reduce.plan(k, n, groups, group_size, x.device, split_k, 2, 128)
     block_m = 1 if m == 1 else 16  # GEMV on FMA, else one MMA tile (see the module docstring)
     decode = int4_gemm_gemv if m == 1 else int4_gemm_decode
     grid = lambda meta: (1, triton.cdiv(n, meta["BLOCK_N"]), splits)  # noqa: E731

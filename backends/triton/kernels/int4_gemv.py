@@ -159,17 +159,8 @@ def int4_gemv(x2: Tensor, packed: Tensor, scales: Tensor, zeros: Tensor, group_s
     checked the format; ``zeros`` is ``packed`` when symmetric, ``bias_arg`` a dummy without
     bias). ``split_k`` overrides the K split (tests cover the split path with it)."""
     k, n = x2.shape[1], out2.shape[1]
-    groups = scales.shape[1]
-    if split_k:
-        splits = split_k
-    elif x2.device.type == "cuda":
-        # About four 2-warp programs per SM with 256-column tiles (the configs' typical width).
-        sms = torch.cuda.get_device_properties(x2.device).multi_processor_count
-        splits = max(1, min(groups, (4 * sms) // triton.cdiv(n, 256)))
-    else:
-        splits = 1
-    per_split = triton.cdiv(groups, splits) * group_size
-    splits = triton.cdiv(k, per_split)  # no empty split programs
+    # About four 2-warp programs per SM with 256-column tiles (the configs' typical width).
+    splits, per_split = splitk_reduce.plan(k, n, scales.shape[1], group_size, x2.device, split_k, 4, 256)
     flags = dict(GROUP=group_size, HAS_ZEROS=zeros is not packed, EVEN_K=k % SUB.value == 0)
     args = (x2, packed, scales, zeros, bias_arg)
     sizes = (n, k, per_split, packed.stride(0), scales.stride(0), zeros.stride(0))

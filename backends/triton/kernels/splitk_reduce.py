@@ -4,6 +4,7 @@ device, add the bias, cast. int4_gemm.py (decode on MMA / FMA) and int4_gemv.py 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -48,3 +49,19 @@ def reduce_partials(partial: Tensor, bias: Tensor | None, bias_arg: Tensor, out2
     splitk_reduce_kernel[(triton.cdiv(mn, block),)](
         partial, bias_arg, out2, mn, n, splits, HAS_BIAS=bias is not None, BLOCK=block,
         num_warps=WARPS * 32 // _common.warp_size())
+
+
+def plan(k: int, n: int, groups: int, group_size: int, device: torch.device, split_k: int | None,
+         programs_per_sm: int, tile_n: int) -> tuple[int, int]:
+    """(splits, K per split) for a decode launch: about ``programs_per_sm`` programs per SM (CU)
+    with ``tile_n``-column tiles, each split whole groups, none empty. ``split_k`` overrides the
+    count (tests cover the split path with it); off the GPU one split."""
+    if split_k:
+        splits = split_k
+    elif device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        splits = max(1, min(groups, (programs_per_sm * sms) // triton.cdiv(n, tile_n)))
+    else:
+        splits = 1
+    per_split = triton.cdiv(groups, splits) * group_size
+    return triton.cdiv(k, per_split), per_split
