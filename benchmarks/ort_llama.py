@@ -12,7 +12,10 @@ whose attentions write the KV cache in place; fp32 with --generate-fp32, INT4 by
 Every variant runs the same greedy generation: a prefill of the prompt (batch 1), then one
 decode step per new token with the KV cache. Measurements are interleaved step by step (every
 variant's prefill, then every variant's first decode step, ...) so load from other processes
-hits them alike. The table shows medians (of 3 prefills per repeat, and of single decode
+hits them alike. ``--interleave generation`` takes turns by whole generations instead (one
+variant's prefill and all its steps, then the next variant's): each step then finds the caches
+as its own previous step left them, as when one model serves alone, where stepping in lockstep
+runs every other variant's weights through the caches between two steps. The table shows medians (of 3 prefills per repeat, and of single decode
 steps) and their ratios to eager (< 1 is faster), the best prefill (the least disturbed
 one), the logits' error against eager and the share of prompt positions whose top-1 token
 equals eager's, and whether the generated tokens equal eager's (INT4 is not expected to).
@@ -205,11 +208,12 @@ def generate(variant: Variant, prompt: torch.Tensor, new_tokens: int) -> tuple[t
 
 
 def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: int, reverse: bool,
-                     prefills: int = 3) -> None:
+                     prefills: int = 3, lockstep: bool = True) -> None:
     """One greedy generation per variant, in lockstep (graphopt.generation.drive: every
     variant's prefill, then each decode step of every variant before the next step), so that
     load from other processes lands on all of them alike. A prefill is one sample against
-    many decode steps, so ``prefills - 1`` more are timed before it."""
+    many decode steps, so ``prefills - 1`` more are timed before it. ``lockstep=False``: one
+    whole generation per variant in turn instead."""
     order = variants[::-1] if reverse else variants
     with torch.no_grad():
         for _ in range(prefills - 1):
@@ -217,9 +221,11 @@ def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: 
                 start = time.perf_counter()
                 v.prefill(prompt)
                 v.prefill_ms.append((time.perf_counter() - start) * 1e3)
-    for v, result in zip(order, drive(order, prompt, None, new_tokens, [Sampler() for _ in order])):
-        v.prefill_ms.append(result.prefill_ms)
-        v.decode_ms.extend(result.ms_per_token)
+    groups = [order] if lockstep else [[v] for v in order]
+    for group in groups:
+        for v, result in zip(group, drive(group, prompt, None, new_tokens, [Sampler() for _ in group])):
+            v.prefill_ms.append(result.prefill_ms)
+            v.decode_ms.extend(result.ms_per_token)
 
 
 def main() -> None:
@@ -237,6 +243,9 @@ def run(folder: Path) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5, help="interleaved measurements per variant")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--interleave", default="step", choices=["step", "generation"],
+                        help="take turns every decode step (lockstep, the default) or every whole generation "
+                             "(each variant's steps back to back, as when one model serves alone)")
     parser.add_argument("--skip", action="append", default=[],
                         help="leave a variant out: inductor, plain, ortopt, graphopt, ortint4, graphoptint4, "
                              "generate (graphopt.generate's in-place decoder), int4 (all INT4 ones); eager always runs")
@@ -337,7 +346,7 @@ def run(folder: Path) -> None:
         results[v.name] = generate(v, prompt, args.new_tokens)
     for r in range(args.repeat):
         console.print(f"measuring {r + 1}/{args.repeat} ...")
-        measure_lockstep(variants, prompt, args.new_tokens, reverse=r % 2 == 1)
+        measure_lockstep(variants, prompt, args.new_tokens, reverse=r % 2 == 1, lockstep=args.interleave == "step")
     print_table(args, variants, results, bandwidth)
     if args.profile:
         from ort_profile import print_profiles
@@ -359,7 +368,7 @@ def print_table(args, variants: list[Variant], results: dict, bandwidth: float) 
     eager_prefill, eager_decode = statistics.median(eager.prefill_ms), statistics.median(eager.decode_ms)
     ref_logits, ref_tokens = results["eager"]
     table = Table(title=f"{args.model}: prefill of {args.prompt} tokens (batch 1), decode of {args.new_tokens} tokens, "
-                        f"{args.threads} threads, median of {args.repeat}; read bandwidth {bandwidth / 1e9:.1f} GB/s",
+                        f"{args.threads} threads, median of {args.repeat}, interleaved by {args.interleave}; read bandwidth {bandwidth / 1e9:.1f} GB/s",
                   title_justify="left")
     for col in ("variant", "prefill ms", "x eager", "best prefill ms", "decode ms/token", "x eager",
                 "weight MB/token", "logits rel err", "top-1 = eager", "tokens = eager", "setup s"):
