@@ -18,6 +18,9 @@
 #      with and without CUDA graph capture (ms/token, peak memory and its spread over the steps),
 #      the captured step / sum of its kernels on llama-medium too, and last (a timeout cuts it
 #      first) one decode step through torch.compile. On the H200 the benchmarks took 5.5-6.5 min.
+#   5. (before 4, so 4's timeout never cuts it) benchmarks/launch_overhead.py: host µs per launch
+#      layer by layer (torch op, raw Triton launch, autotuner, graphopt's launcher, the torch
+#      custom op) and a cProfile of one op: where the 66-240 µs per uncaptured launch go.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -47,6 +50,7 @@ fi
 if [ -z "$GPU" ]; then
     why="no CUDA or ROCm device here (torch.cuda.is_available() is False)"
     step "gpu-marked tests" "skipped" "$why"
+    step "launch overhead by layer" "skipped" "$why (benchmarks/launch_overhead.py times graphopt's own layers without one)"
     step "kernel benchmarks + llama-small decode" "skipped" "$why"
 else
     # tests/backends/triton's conftest turns on TRITON_INTERPRET=1 for its whole process: the
@@ -57,7 +61,9 @@ else
     timeout 60 $PY -m pytest -q -p no:cacheprovider -m gpu $files \
         > "$OUT/gpu_tests.log" 2>&1
     step "gpu-marked tests" "exit $?" "$(tail -n 1 "$OUT/gpu_tests.log")"
-    timeout 420 $PY benchmarks/triton_kernels.py --generate --ratio-model llama-medium --json "$OUT/bench.json" \
+    timeout 60 $PY benchmarks/launch_overhead.py --calls 1000 --json "$OUT/launch.json" > "$OUT/launch.log" 2>&1
+    step "launch overhead by layer" "exit $?" "$OUT/launch.log"
+    timeout 400 $PY benchmarks/triton_kernels.py --generate --ratio-model llama-medium --json "$OUT/bench.json" \
         > "$OUT/bench.log" 2>&1
     step "kernel benchmarks + llama-small decode" "exit $?" "$OUT/bench.log"
 fi
@@ -82,6 +88,9 @@ for r in rows:
         goal = "int4: >= 128 bits; tiled: async > 0 on sm_90; 0 spills" if r["kernel"] == "int4_gemm" else "0 spills"
         t.add_row(f"load facts {r['arch']}", f"{r['kernel']} ({v['label'] or v['function']})",
                   f"{v['global_load_bits']} bits, {v['async_copies']} async, {v['spills']} B spilled", goal)
+launch = f"{out}/launch.json"
+for r in json.load(open(launch)) if os.path.exists(launch) else []:
+    t.add_row("host µs per call", f"{r['call']}: {r['layer']}", f"{r['host_us']:.1f}", "")
 bench = f"{out}/bench.json"
 for r in json.load(open(bench)) if os.path.exists(bench) else []:
     if r["section"] == "kernels":
