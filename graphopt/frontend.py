@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -261,7 +262,11 @@ def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None =
     """torch.export the model, decompose to ATen, and freeze its weights."""
     with torch.no_grad():
         program = torch.export.export(model, tuple(args), kwargs or {}, dynamic_shapes=dynamic_shapes, strict=False)
-        program = program.run_decompositions({})
+        with warnings.catch_warnings():
+            # torch's own deep copy of a module call graph trips its pytree deprecation
+            # (`isinstance(treespec, LeafSpec)`): nothing the user can act on, printed on every export.
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            program = program.run_decompositions({})
     gm = program.graph_module
     signature = program.graph_signature
     if signature.buffers_to_mutate:
