@@ -113,3 +113,29 @@ def test_act_order_with_a_ragged_k_and_dead_channels():
     assert q.packed.shape == (16, 48) and q.scales.shape == (16, 3)
     rtn = quantize_int4(w, 32, True, "float16", "rtn")
     assert output_error(w, q.dequantize(), h) < output_error(w, rtn.dequantize(), h)
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 48, 64, 96, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_uncorrelated_activations_make_gptq_round_to_nearest(group_size, symmetric):
+    # With H diagonal no column's error reaches another, so GPTQ must give RTN's codes and grids
+    # exactly, whatever the group: a group that straddled a block of columns (48 at column 96
+    # against blocks of 128) once took its grid from the first part of its columns only.
+    torch.manual_seed(1)
+    k = 2 * 144
+    w = torch.randn(40, k) * 0.05
+    w[:, 100:144] *= 4.0  # the loud columns sit past column 128, inside group 48's third group
+    h = torch.diag(torch.rand(k, dtype=torch.float64) + 0.5) * 1000
+    rtn = quantize_int4(w, group_size, symmetric, "float32", "rtn")
+    ours = quantize_int4(w, group_size, symmetric, "float32", "gptq", hessian=h, tokens=100_000)
+    assert torch.equal(ours.packed, rtn.packed)
+    torch.testing.assert_close(ours.scales, rtn.scales, rtol=0, atol=0)
+
+
+def test_blocks_hold_whole_groups():
+    from graphopt.quant_gptq import _blocking
+
+    for group in (2, 16, 32, 48, 64, 96, 128, 256):
+        block, sub = _blocking(group)
+        assert sub % group == 0 and block % sub == 0, (group, block, sub)
+    assert _blocking(32) == (128, 32) and _blocking(48) == (144, 48) and _blocking(128) == (128, 128)
