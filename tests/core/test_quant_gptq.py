@@ -139,3 +139,15 @@ def test_blocks_hold_whole_groups():
         block, sub = _blocking(group)
         assert sub % group == 0 and block % sub == 0, (group, block, sub)
     assert _blocking(32) == (128, 32) and _blocking(48) == (144, 48) and _blocking(128) == (128, 128)
+
+
+def test_inverse_cholesky_is_the_upper_factor_of_the_inverse():
+    from graphopt.quant_gptq import _inverse_cholesky
+
+    x = torch.randn(300, 96, dtype=torch.float64)
+    h = x.T @ x
+    u = _inverse_cholesky(h)
+    assert torch.equal(u, u.triu())
+    assert (u.diagonal() > 0).all()
+    torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-8, atol=1e-12)
+    torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True), rtol=1e-8, atol=1e-12)
