@@ -15,8 +15,8 @@ variant's prefill, then every variant's first decode step, ...) so load from oth
 hits them alike. ``--interleave generation`` takes turns by whole generations instead (one
 variant's prefill and all its steps, then the next variant's): each step then finds the caches
 as its own previous step left them, as when one model serves alone, where stepping in lockstep
-runs every other variant's weights through the caches between two steps. The table shows medians (of 3 prefills per repeat, and of single decode
-steps) and their ratios to eager (< 1 is faster), the best prefill (the least disturbed
+runs every other variant's weights through the caches between two steps. The table shows
+medians (of 3 prefills per repeat, and of single decode steps) and their ratios to eager (< 1 is faster), the best prefill (the least disturbed
 one), the logits' error against eager and the share of prompt positions whose top-1 token
 equals eager's, and whether the generated tokens equal eager's (INT4 is not expected to).
 "weight MB/token" is what one decode step reads (embedding tables left out: a step gathers
@@ -368,7 +368,8 @@ def print_table(args, variants: list[Variant], results: dict, bandwidth: float) 
     eager_prefill, eager_decode = statistics.median(eager.prefill_ms), statistics.median(eager.decode_ms)
     ref_logits, ref_tokens = results["eager"]
     table = Table(title=f"{args.model}: prefill of {args.prompt} tokens (batch 1), decode of {args.new_tokens} tokens, "
-                        f"{args.threads} threads, median of {args.repeat}, interleaved by {args.interleave}; read bandwidth {bandwidth / 1e9:.1f} GB/s",
+                        f"{args.threads} threads, median of {args.repeat}, interleaved by {args.interleave}; "
+                        f"read bandwidth {bandwidth / 1e9:.1f} GB/s",
                   title_justify="left")
     for col in ("variant", "prefill ms", "x eager", "best prefill ms", "decode ms/token", "x eager",
                 "weight MB/token", "logits rel err", "top-1 = eager", "tokens = eager", "setup s"):
