@@ -60,15 +60,21 @@ def replay_ms(replay: Callable[[], None], replays: int = 10) -> float:
 
 
 def host_us(fn: Callable[[], object], calls: int = 200) -> float:
-    """Host microseconds per call, launches queued without waiting for the device."""
+    """Host microseconds per call, launches queued without waiting for the device: the median
+    over 10 batches of ``calls / 10``, the device drained between batches so the launch queue
+    stays short (host time, not queue back-pressure). Without CUDA it times the calls alone."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    sync()
+    per_batch = max(1, calls // 10)
+    batches = []
+    for _ in range(10):
+        start = time.perf_counter()
+        for _ in range(per_batch):
+            fn()
+        batches.append((time.perf_counter() - start) / per_batch * 1e6)
+        sync()
+    return statistics.median(batches)
 
 
 class ReplayRecorder:

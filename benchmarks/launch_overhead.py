@@ -30,8 +30,6 @@ import io
 import json
 import os
 import pstats
-import statistics
-import time
 from typing import Callable
 
 import torch
@@ -40,25 +38,9 @@ GPU = torch.cuda.is_available()
 if not GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: launchers take CPU tensors
 
+from gpu_timing import host_us  # noqa: E402  (the benchmarks' one host-time timer)
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
-
-
-def host_us(fn: Callable[[], object], calls: int) -> float:
-    """Median host µs per call over ``calls`` calls in 10 batches, launches queued without waiting."""
-    fn()
-    if GPU:
-        torch.cuda.synchronize()
-    batches = []
-    per_batch = max(1, calls // 10)
-    for _ in range(10):
-        start = time.perf_counter()
-        for _ in range(per_batch):
-            fn()
-        batches.append((time.perf_counter() - start) / per_batch * 1e6)
-        if GPU:
-            torch.cuda.synchronize()  # keep the launch queue short: host time, not queue back-pressure
-    return statistics.median(batches)
 
 
 def no_triton_launches() -> None:
