@@ -69,7 +69,8 @@ def quantize_embeddings(gm: fx.GraphModule, options: Any, constant: Callable[...
                 node.prepend(const)
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(graphopt.quantized_embedding.default,
-                                         (codes, scales, ids, bits, options.group_size, hidden, table.dtype))
+                                         (codes, scales, ids, bits, records[key]["group_size"], hidden,
+                                          table.dtype))
         new.meta.update({k: node.meta[k] for k in ("stack_trace", "nn_module_stack") if k in node.meta})
         new.meta[ir.CREATED_BY] = PASS
         new.meta[record_key] = records[key]
@@ -114,21 +115,22 @@ def _quantize(gm: fx.GraphModule, table_node: fx.Node, table: torch.Tensor, head
               constant: Callable[..., fx.Node | None], record_key: str):
     """((codes, scales) nodes, layer record) of one table: the tied head's when they fit."""
     name, bits = param_name(table_node), options.embedding_bits
+    group = options.group_8bit(table.shape[1]) if bits == 8 else options.group_size
     out_size = table.element_size()  # what GatherBlockQuantized reads the scales as
     head_record = head.meta[record_key] if head is not None else None
-    if head_record is not None and head_record["bits"] == bits and head_record["group_size"] == options.group_size \
+    if head_record is not None and head_record["bits"] == bits and head_record["group_size"] == group \
             and (bits == 8 or head.args[3] is None):
         codes, scales = head.args[1], head.args[2]
-        stored = quantization.Int4Weight(ir.get_constant(codes), ir.get_constant(scales), None, options.group_size,
+        stored = quantization.Int4Weight(ir.get_constant(codes), ir.get_constant(scales), None, group,
                                          table.shape[1], bits)
         record = _record(name, table, stored, options, table_node.target, head_record["search"], out_size)
         record.update(shared=True, tied_to=head_record["name"])
         return (codes, scales), record
     dtype = table.dtype if options.scale_dtype == "auto" else options.scale_dtype
     if bits == 8:
-        q = quantization.quantize_int8(table, options.group_size, dtype)
+        q = quantization.quantize_int8(table, group, dtype)
     else:
-        q = quantization.quantize_int4(table, options.group_size, True, dtype, "rtn")
+        q = quantization.quantize_int4(table, group, True, dtype, "rtn")
     nodes = (constant(gm, name, "qweight", q.packed), constant(gm, name, "scales", q.scales))
     record = _record(name, table, q, options, table_node.target, "rtn", out_size)
     if head_record is not None:  # tied, at other bits: two copies of the codes; the fp32 table counts once
@@ -142,7 +144,7 @@ def _record(name: str, table: torch.Tensor, q, options: Any, key: str, search: s
         "kind": "embedding",
         "shape": list(table.shape),
         "bits": q.bits,
-        "group_size": options.group_size,
+        "group_size": q.group_size,
         "symmetric": True,
         "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
         "search": search,

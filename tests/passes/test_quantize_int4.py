@@ -198,10 +198,13 @@ def test_llama_tiny_logits_bytes_and_report():
     assert count(report, "graphopt.int4_linear") == 7 * models.config_of("llama-tiny").num_layers
     summary = int4_summary(report)
     assert summary["quantized_weights"] == 15 and summary["bits"] == {4: 14, 8: 1}
-    # g32 with fp32 scales (auto: what MatMulNBits reads): 5 bits a weight, 9 for the LM head.
+    # g32 with fp32 scales (auto: what MatMulNBits reads): 5 bits a weight; the 8-bit LM head
+    # has one scale per 64 (group_size_8bit 128, capped at the 64-wide K): 8.5 bits.
     fp32 = summary["weight_bytes_fp32"]
-    head = next(layer for layer in summary["layers"] if layer["bits"] == 8)["bytes_fp32"]
-    assert summary["weight_bytes_after"] == pytest.approx((fp32 - head) * 5 / 32 + head * 9 / 32)
+    head = next(layer for layer in summary["layers"] if layer["bits"] == 8)
+    assert head["group_size"] == 64
+    assert summary["weight_bytes_after"] == pytest.approx((fp32 - head["bytes_fp32"]) * 5 / 32
+                                                          + head["bytes_fp32"] * 8.5 / 32)
     # GPTQ trades weight error (RTN's is 0.05-0.09 here) for output error on the calibration inputs.
     assert 0.05 < summary["max_rel_error"] < 0.2
     assert all(0 < layer["output_error"] < 0.05 for layer in summary["layers"])

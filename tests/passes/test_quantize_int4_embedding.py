@@ -92,8 +92,10 @@ def test_the_table_becomes_a_quantized_embedding(bits, final_graph):
     assert ((table - weight).norm() / weight.norm()).item() < TABLE_ERROR[bits]
     (record,) = embedding_records(report)
     assert record["bits"] == bits and record["shape"] == [96, 64] and not record["shared"]
-    # Codes (4 or 8 bits a weight) + one fp32 scale per 32 (what GatherBlockQuantized reads).
-    assert record["bytes_after"] == 96 * 64 * bits // 8 + 96 * 2 * 4
+    # Codes (4 or 8 bits a weight) + fp32 scales (what GatherBlockQuantized reads): one per
+    # 32 at 4 bits; at 8 bits one per row, group_size_8bit (128) capped at the 64-wide rows.
+    assert record["group_size"] == (32 if bits == 4 else 64)
+    assert record["bytes_after"] == 96 * 64 * bits // 8 + 96 * (2 if bits == 4 else 1) * 4
     assert record["rel_error"] == pytest.approx(((table - weight).norm() / weight.norm()).item(), rel=1e-5)
     assert stats_of(report)["embeddings"] == 1
     # The graph computes with exactly that table: the same model holding it in fp32, its
@@ -176,7 +178,7 @@ def test_tied_table_is_stored_once_when_the_head_has_its_bits(embedding_bits, sh
     # The fp32 table is one tensor in the model: counted once in the fp32 bytes either way.
     linears = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
     assert summary["weight_bytes_fp32"] == (linears + vocab_hidden) * 4
-    head_bytes = vocab_hidden + vocab_hidden // 32 * 4
+    head_bytes = vocab_hidden + vocab_hidden // 64 * 4  # 8 bits: one scale per 64-wide row
     extra = 0 if shared else vocab_hidden // 2 + vocab_hidden // 32 * 4  # a 4-bit copy beside the 8-bit head
     layers = [layer for layer in summary["layers"] if layer.get("kind") != "embedding" and layer["bits"] == 4]
     assert summary["weight_bytes_after"] == sum(layer["bytes_after"] for layer in layers) + head_bytes + extra
@@ -194,8 +196,8 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     from graphopt.config import Options
     from graphopt.frontend import export_aten_graph
 
-    model = Logits(tied_llama(vocab=4160))
-    ids = ids_for(4160, (1, 8))
+    model = Logits(tied_llama(vocab=8320))
+    ids = ids_for(8320, (1, 8))
     program = export_aten_graph(model, (ids,))
     config = Options.parse({"pipeline": PIPE,
                             "pass_options": {"quantize_int4": {"embedding_bits": 8, "search": "rtn"}}})
@@ -217,4 +219,4 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     assert weights["bytes"] == read["bytes"] and weights["embeddings"] == 1
     assert weights["fp32_bytes"] == summary["weight_bytes_before"]
     # No float copy of the table is left: the file is the quantized bytes plus small tensors.
-    assert read["file_bytes"] < read["bytes"] + 4160 * 64
+    assert read["file_bytes"] < read["bytes"] + 8320 * 64
