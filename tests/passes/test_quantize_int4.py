@@ -165,6 +165,7 @@ def test_a_weight_read_twice_is_quantized_once(final_graph):
 
 @pytest.mark.parametrize("bad, message", [
     ({"group_size": 48}, "group_size 48 is not valid"),
+    ({"group_size_8bit": 256}, "group_size_8bit 256 is not valid"),
     ({"search": "awq"}, "search 'awq' is not valid"),
     ({"scale_dtype": "float8"}, "scale_dtype 'float8' is not valid"),
     ({"min_size": -1}, "min_size must be"),
@@ -176,6 +177,29 @@ def test_bad_options_fail_with_one_line(bad, message):
     with pytest.raises(OptionsError, match=message):
         build_pass_manager(graphopt.Options.parse(
             {"pipeline": PIPE, "pass_options": {"quantize_int4": bad}}))
+
+
+@pytest.mark.parametrize("k, group", [(1024, 128), (576, 128), (1536, 128), (64, 64), (96, 32), (16, 32)])
+def test_8bit_group_pads_k_by_at_most_an_eighth(k, group):
+    """128 unless that pads K by more than an eighth (576 -> 640 is 1/9: kept; 96 -> 128 is a third)."""
+    from passes.quantize_int4 import Int4Options
+
+    assert Int4Options().group_8bit(k) == group
+    assert Int4Options(group_size_8bit=32).group_8bit(k) == 32
+
+
+def test_8bit_head_takes_its_own_group_size():
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 96))
+    x = torch.randn(3, 64)
+    for group_8bit in (64, 128):
+        out, report = compile_with_graphopt(module, x, passes=PIPE, pass_options={
+            "quantize_int4": {"search": "rtn", "group_size_8bit": group_8bit}})
+        head = next(layer for layer in int4_summary(report)["layers"] if layer["bits"] == 8)
+        assert head["group_size"] == group_8bit and head["shape"] == [96, 256]
+        assert head["bytes_after"] == 96 * 256 + 96 * (256 // group_8bit) * 4  # codes + fp32 scales
+        assert head["rel_error"] < 0.01  # 8 bits: ~0.005 on these weights in either group size
+        assert logits_metrics(out, eager(module, x))["rel_error"] < 0.1
 
 
 def test_merged_qkv_and_gated_mlp_are_quantized_whole():
