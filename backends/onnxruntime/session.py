@@ -56,6 +56,8 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     between graphs of a torch.compile'd model, or the other session of a prefill/decode
     pair. On this 2-core machine, with llama-small, turning it off took a prefill from
     316 to 250 ms and a decode step from 63.8 to 56.0 ms (two sessions taking turns).
+    graphopt.generate's in-place decoder is one session stepped alone with torch kept off
+    the cores, and spins (backends/onnxruntime/decoder.py).
 
     ``arena=False`` turns ORT's CPU memory arena off. The arena keeps every block it ever
     grew to, so a model with dynamic axes either has it off or shrinks it after each run with
@@ -75,8 +77,8 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
         session_options.intra_op_num_threads = threads
     if not arena:
         session_options.enable_cpu_mem_arena = False
-    if not spin:
-        session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Said either way: ORT's default (spinning) is not what most of graphopt's sessions want.
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     if profile_prefix:
         session_options.enable_profiling = True
         session_options.profile_file_prefix = profile_prefix

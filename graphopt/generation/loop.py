@@ -10,6 +10,7 @@ of them alike. That is how ``generate_with_reference`` puts a target next to eag
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -97,9 +98,15 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
     device = input_ids.device
     lanes = [_Lane(r, s, input_ids) for r, s in zip(runners, samplers)]
     prompt = input_ids.shape[1]
-    with torch.no_grad():
+    with torch.no_grad(), contextlib.ExitStack() as threads:
         for lane in lanes:
             lane.runner.prepare(input_ids, attention_mask)
+        if all(hasattr(lane.runner, "decoding") for lane in lanes):
+            # A runner's say over torch's threads for the loop (the onnxruntime decoder's: one
+            # thread, backends/onnxruntime/decoder.py). Only when every runner has one: an
+            # eager runner stepped in lockstep needs torch's threads.
+            for lane in lanes:
+                threads.enter_context(lane.runner.decoding())
         for lane in lanes:
             start = time.perf_counter()
             lane.current = lane.sampler(lane.runner.prefill(input_ids, attention_mask))

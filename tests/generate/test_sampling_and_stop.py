@@ -1,5 +1,7 @@
 """The loop's pieces that need no model: top-p, stop conditions, streaming, the runner protocol."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -79,3 +81,27 @@ def test_tokens_stream_as_they_come_and_runners_run_in_lockstep():
 def test_zero_tokens_and_result_helpers():
     result = GenerateResult(torch.tensor([[1, 2, 3, 4]]), 2, ms_per_token=[3.0, 1.0, 2.0], new_lengths=[1])
     assert result.token_ids(0) == [3] and result.median_ms(1, 3) == 2.0 and result.median_ms(5, 6) is None
+
+
+class Threaded(Scripted):
+    """A Scripted runner with a say over torch's threads while the loop runs (as OrtRunner)."""
+
+    def __init__(self, script, log):
+        super().__init__(script)
+        self.log = log
+
+    @contextlib.contextmanager
+    def decoding(self):
+        self.log.append(("enter", list(self.calls)))
+        yield
+        self.log.append("exit")
+
+
+def test_runners_decoding_context_spans_the_loop_only_when_every_runner_has_one():
+    log = []
+    drive([Threaded([[3, 4]], log)], torch.ones(1, 2, dtype=torch.long), None, 2, [Sampler()])
+    assert log == [("enter", ["prepare"]), "exit"]  # after the export (prepare), around prefill and steps
+    log.clear()  # lockstep with a runner that needs torch's threads (eager): nobody's context
+    drive([Threaded([[3, 4]], log), Scripted([[3, 4]])], torch.ones(1, 2, dtype=torch.long), None, 2,
+          [Sampler(), Sampler()])
+    assert log == []

@@ -100,3 +100,32 @@ def test_an_unpadded_batch_falls_back_to_the_prefill_decode_pair_when_share_cach
     assert out.notes == ["prefill and decode run as two models: attention x does not read a layer's returned key "
                          "and value"]
     assert torch.equal(out.sequences, eager_generate(tiny, ids, 4).sequences)
+
+
+def test_the_decoder_spins_and_torch_takes_one_thread_while_it_decodes(tiny, decoder):
+    """OrtRunner's threads (backends/onnxruntime/decoder.py): the decoder's workers may spin
+    between ops; during drive's loop torch computes on one thread, and the caller's count
+    comes back after it, also when the loop raises."""
+    runner = OrtRunner.from_decoder(decoder, max_length=16)
+    options = runner.decoder.session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+    before, seen = torch.get_num_threads(), []
+    step = runner.step
+
+    def spy(token, position):
+        seen.append(torch.get_num_threads())
+        return step(token, position)
+
+    runner.step = spy
+    ids = torch.tensor([PROMPTS[0]])
+    out = drive([runner], ids, None, 4, [Sampler()])[0]
+    assert seen == [1, 1, 1] and torch.get_num_threads() == before
+    assert out.new_tokens.tolist() == eager_generate(tiny, ids, 4).new_tokens.tolist()
+
+    def fail(token, position):
+        raise RuntimeError("step failed")
+
+    runner.step = fail
+    with pytest.raises(RuntimeError, match="step failed"):
+        drive([runner], ids, None, 4, [Sampler()])
+    assert torch.get_num_threads() == before
