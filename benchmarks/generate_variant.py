@@ -29,7 +29,8 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
         path = str(folder / (name.replace(" ", "_").replace(".", "_").replace(",", "") + ".onnx"))
         tool.save_atomically(onnx_model, Path(path))
     prefix = os.path.join(profile_dir, name.replace(" ", "_")) if profile_dir else None
-    session = create_session(path, "cpu", threads=threads, arena=False, profile_prefix=prefix)
+    # As OrtRunner's own decoder session: workers spin between ops (backends/onnxruntime/decoder.py).
+    session = create_session(path, "cpu", threads=threads, arena=False, spin=True, profile_prefix=prefix)
     runner = OrtRunner(None, config)
     runner.decoder = InPlaceSession(session)
 
@@ -40,6 +41,7 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
         return runner.step(token, 0)[:, None], None
 
     variant = variant_type(name, prefill, decode, time.perf_counter() - start, [session])
+    variant.decoding = runner.decoding  # torch on one thread while it decodes alone (drive enters it)
     variant.paths = (path,)
     variant.weight_bytes = onnx_decode_bytes(path)
     variant.profiled = lambda directory: in_place(variant_type, name, model, example, config, threads, folder,

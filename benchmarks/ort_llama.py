@@ -32,8 +32,10 @@ from __future__ import annotations
 import os
 
 # OpenMP's wait policy decides how fairly interleaved runtimes are measured. ORT's sessions
-# never spin (session.create_session). torch keeps OpenMP's default unless the caller sets
-# one: a short spin after each parallel region, then sleep. That default is what an eager
+# do not spin (session.create_session), except graphopt.generate's decoder's and, with
+# --ort-spin, the other ORT variants' (torch then on one thread while each decodes). torch
+# keeps OpenMP's default unless the caller sets one: a short spin after each parallel
+# region, then sleep. That default is what an eager
 # user gets, and it is eager's best here: PASSIVE (sleep at once) made eager llama-small
 # decode 33 ms/token instead of 25 (the wake-up after every small op), and ACTIVE (spin on)
 # took the cores from the ORT variants (decode 35 instead of 21 ms/token).
@@ -41,6 +43,7 @@ if os.environ.get("OMP_WAIT_POLICY"):
     print(f"note: OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} from the environment", flush=True)
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
@@ -116,10 +119,12 @@ def torch_variant(name: str, model, setup_s: float = 0.0) -> Variant:
 
 
 def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, setup_s: float,
-                profile_dir: str | None = None) -> Variant:
+                profile_dir: str | None = None, spin: bool = False) -> Variant:
+    """``spin``: its sessions' workers spin between ops and torch computes on one thread while it
+    decodes alone, as graphopt.generate's decoder runs (``--ort-spin``)."""
     def session(path, tag):
         prefix = os.path.join(profile_dir, f"{name}-{tag}".replace(" ", "_")) if profile_dir else None
-        return create_session(path, "cpu", threads=threads, profile_prefix=prefix)
+        return create_session(path, "cpu", threads=threads, profile_prefix=prefix, spin=spin)
 
     prefill_session, decode_session = session(prefill_path, "prefill"), session(decode_path_, "decode")
     prefill_run, decode_run = SessionRunner(prefill_session), SessionRunner(decode_session)
@@ -135,8 +140,20 @@ def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, s
     variant = Variant(name, prefill, decode, setup_s, [prefill_session, decode_session])
     variant.paths = (prefill_path, decode_path_)
     variant.weight_bytes = onnx_decode_bytes(decode_path_)
-    variant.profiled = lambda directory: ort_variant(name, prefill_path, decode_path_, threads, 0.0, directory)
+    variant.profiled = lambda directory: ort_variant(name, prefill_path, decode_path_, threads, 0.0, directory, spin)
+    if spin:
+        variant.decoding = _one_torch_thread
     return variant
+
+
+@contextlib.contextmanager
+def _one_torch_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def inplace_variant(name: str, model, example, config: Options, threads: int, folder: Path, start: float,
@@ -246,6 +263,10 @@ def run(folder: Path) -> None:
     parser.add_argument("--interleave", default="step", choices=["step", "generation"],
                         help="take turns every decode step (lockstep, the default) or every whole generation "
                              "(each variant's steps back to back, as when one model serves alone)")
+    parser.add_argument("--ort-spin", action="store_true",
+                        help="ORT's own variants (plain, optimizer, recipe, graphopt's pairs) with spinning workers "
+                             "and torch on one thread while each decodes, as graphopt.generate's decoder always "
+                             "runs; meaningful with --interleave generation (in lockstep torch needs its threads)")
     parser.add_argument("--skip", action="append", default=[],
                         help="leave a variant out: inductor, plain, ortopt, graphopt, ortint4, graphoptint4, "
                              "generate (graphopt.generate's in-place decoder), int4 (all INT4 ones); eager always runs")
@@ -290,7 +311,8 @@ def run(folder: Path) -> None:
     def plain_variant(start):
         nonlocal plain
         plain = export_plain(model, example, folder)
-        return ort_variant("torch.onnx.export + ORT", *plain, args.threads, time.perf_counter() - start)
+        return ort_variant("torch.onnx.export + ORT", *plain, args.threads, time.perf_counter() - start,
+                           spin=args.ort_spin)
 
     setup("plain", plain_variant)
     optimized: tuple[str, str] = ("", "")
@@ -299,7 +321,7 @@ def run(folder: Path) -> None:
         nonlocal optimized
         optimized = optimize_with_ort(plain, model.config, folder)
         return ort_variant("+ ORT transformer optimizer", *optimized, args.threads,
-                           time.perf_counter() - start + variants[-1].setup_s)
+                           time.perf_counter() - start + variants[-1].setup_s, spin=args.ort_spin)
 
     if "plain" not in args.skip:
         setup("ortopt", ortopt_variant)
@@ -313,14 +335,16 @@ def run(folder: Path) -> None:
                     "group_size": args.group_size, "search": args.int4_search}}), int4=int4, validate_model=False)
             finally:
                 int4_translation.HEAD_GEMM_ROWS = default_rows
-            return ort_variant(name, str(path), str(decode_path(path)), args.threads, time.perf_counter() - start)
+            return ort_variant(name, str(path), str(decode_path(path)), args.threads, time.perf_counter() - start,
+                               spin=args.ort_spin)
         return build
 
     setup("graphopt", graphopt_variant("graphopt -> ORT", "graphopt.onnx", int4=False))
     if optimized[0]:
         setup("ortint4", lambda start: ort_variant(
             f"ORT INT4 recipe (optimizer + MatMulNBitsQuantizer g{args.group_size})",
-            *quantize_with_ort(optimized, args.group_size, folder), args.threads, time.perf_counter() - start))
+            *quantize_with_ort(optimized, args.group_size, folder), args.threads, time.perf_counter() - start,
+            spin=args.ort_spin))
     setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size})", "graphopt_int4.onnx",
                                            int4=True))
     if args.generate_fp32:
