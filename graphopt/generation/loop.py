@@ -5,7 +5,9 @@ cache and turns ``prefill(ids, mask)`` and ``step(token, position)`` into the lo
 last position. :func:`drive` runs one or more runners in lockstep on one batch: each prefill
 and each step is timed alone (``prepare`` / ``prepare_step``, where compilation happens, left
 out), and the runners take turns step by step, so on a shared machine the noise falls on all
-of them alike. That is how ``generate_with_reference`` puts a target next to eager.
+of them alike. That is how ``generate_with_reference`` puts a target next to eager, except
+for a runner that sets torch's threads for its loop (``decoding()``, the onnxruntime
+decoder), which decodes alone first (generation/api.py ``_drive``).
 """
 
 from __future__ import annotations

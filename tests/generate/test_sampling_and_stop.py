@@ -105,3 +105,18 @@ def test_runners_decoding_context_spans_the_loop_only_when_every_runner_has_one(
     drive([Threaded([[3, 4]], log), Scripted([[3, 4]])], torch.ones(1, 2, dtype=torch.long), None, 2,
           [Sampler(), Sampler()])
     assert log == []
+
+
+def test_a_runner_with_its_own_threads_decodes_alone_not_in_lockstep():
+    """generation.api._drive: the onnxruntime decoder's spinning workers would slow an eager
+    reference stepped between its steps, so each runner then decodes on its own."""
+    from graphopt.generation.api import _drive
+
+    log, seen = [], []
+    first, second = Threaded([[3, 4, 5]], log), Scripted([[3, 4, 5]])
+    results = _drive([first, second], torch.ones(1, 2, dtype=torch.long), None, 3, Sampler, StopConditions(),
+                     lambda token, live: seen.append(token.item()))
+    assert log == [("enter", ["prepare"]), "exit"]  # its context held: it ran alone
+    assert [r.new_tokens.tolist() for r in results] == [[[3, 4, 5]], [[3, 4, 5]]]
+    assert seen == [3, 4, 5]  # the first runner's tokens stream, once
+    assert second.calls == ["prepare", ("prefill", 2), ("step", 2, [3]), ("step", 3, [4])]
