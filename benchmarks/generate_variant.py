@@ -15,10 +15,13 @@ from weight_traffic import onnx_decode_bytes
 
 
 def in_place(variant_type, name: str, model, example, config, threads: int, folder: Path, start: float,
-             profile_dir: str | None = None, path: str | None = None, unfolded: bool = False):
+             profile_dir: str | None = None, path: str | None = None, unfolded: bool = False,
+             spin: bool = True):
     """A ``variant_type`` (ort_llama.Variant) on the in-place decoder. Its prefill returns the
     last position's logits only. ``start``: perf_counter() when its setup began; ``path``:
-    reuse that export; ``unfolded``: export with the rotary fold off."""
+    reuse that export; ``unfolded``: export with the rotary fold off; ``spin``: as OrtRunner
+    runs it (workers spin between ops, torch on one thread while it decodes alone); off for
+    lockstep, where its spinning workers would slow the torch variants stepped between."""
     from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.decoder import InPlaceSession, OrtRunner
     from graphopt.backends.onnxruntime.inplace_cache import export_decoder
@@ -29,8 +32,7 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
         path = str(folder / (name.replace(" ", "_").replace(".", "_").replace(",", "") + ".onnx"))
         tool.save_atomically(onnx_model, Path(path))
     prefix = os.path.join(profile_dir, name.replace(" ", "_")) if profile_dir else None
-    # As OrtRunner's own decoder session: workers spin between ops (backends/onnxruntime/decoder.py).
-    session = create_session(path, "cpu", threads=threads, arena=False, spin=True, profile_prefix=prefix)
+    session = create_session(path, "cpu", threads=threads, arena=False, spin=spin, profile_prefix=prefix)
     runner = OrtRunner(None, config)
     runner.decoder = InPlaceSession(session)
 
@@ -41,11 +43,12 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
         return runner.step(token, 0)[:, None], None
 
     variant = variant_type(name, prefill, decode, time.perf_counter() - start, [session])
-    variant.decoding = runner.decoding  # torch on one thread while it decodes alone (drive enters it)
+    if spin:
+        variant.decoding = runner.decoding  # torch on one thread while it decodes alone (drive enters it)
     variant.paths = (path,)
     variant.weight_bytes = onnx_decode_bytes(path)
     variant.profiled = lambda directory: in_place(variant_type, name, model, example, config, threads, folder,
-                                                  time.perf_counter(), directory, path)
+                                                  time.perf_counter(), directory, path, spin=spin)
     return variant
 
 

@@ -157,12 +157,13 @@ def _one_torch_thread():
 
 
 def inplace_variant(name: str, model, example, config: Options, threads: int, folder: Path, start: float,
-                    unfolded: bool = False) -> Variant:
+                    unfolded: bool = False, spin: bool = True) -> Variant:
     """graphopt.generate's onnxruntime decoder (generate_variant.py); ``unfolded``: its rotary left
-    as RotaryEmbedding nodes before attention (as before rotary_fold.fold_rotary_into_attention)."""
+    as RotaryEmbedding nodes before attention (as before rotary_fold.fold_rotary_into_attention);
+    ``spin``: as graphopt.generate runs it (off in lockstep)."""
     from generate_variant import in_place
 
-    return in_place(Variant, name, model, example, config, threads, folder, start, unfolded=unfolded)
+    return in_place(Variant, name, model, example, config, threads, folder, start, unfolded=unfolded, spin=spin)
 
 
 def export_plain(model, example, folder: Path) -> tuple[str, str]:
@@ -291,6 +292,12 @@ def run(folder: Path) -> None:
     if "int4" in args.skip:
         args.skip += ["ortint4", "graphoptint4", "generate"]
     args.generate_head_bits = args.generate_head_bits or [8]
+    # graphopt.generate's decoder spins (backends/onnxruntime/decoder.py); in lockstep its
+    # workers would take the cores from the torch variants stepped between its steps.
+    by_generation = args.interleave == "generation"
+    if args.ort_spin and not by_generation:
+        parser.error("--ort-spin needs --interleave generation: in lockstep the spinning workers take the cores "
+                     "from the torch variants")
     torch.set_num_threads(args.threads)
 
     model = models.build(args.model)
@@ -349,7 +356,7 @@ def run(folder: Path) -> None:
                                            int4=True))
     if args.generate_fp32:
         setup("generate", lambda start: inplace_variant("graphopt.generate fp32", model, example, Options(),
-                                                        args.threads, folder, start))
+                                                        args.threads, folder, start, spin=by_generation))
     int4_decoders = [(bits, False) for bits in args.generate_head_bits] + [(8, True)] * args.generate_unfolded
     for head_bits, unfolded in int4_decoders:
         unfolded_note = ", rotary unfolded" if unfolded else ""
@@ -357,7 +364,7 @@ def run(folder: Path) -> None:
             f"graphopt.generate INT4 (g{args.group_size}, head {head_bits}-bit{unfolded_note})",
             model, example, Options(int4=True, pass_options={"quantize_int4": {
                 "group_size": args.group_size, "search": args.int4_search, "head_bits": head_bits}}),
-            args.threads, folder, start, unfolded))
+            args.threads, folder, start, unfolded, spin=by_generation))
     if args.head_rows:
         setup("graphoptint4", graphopt_variant(f"graphopt -> ORT INT4 (g{args.group_size}), 8-bit head MatMulNBits "
                                                "at every row count", "graphopt_int4_nbits_head.onnx", int4=True,
