@@ -27,7 +27,9 @@ runs (``decoding()``, which graphopt.generation's ``drive`` enters once the mode
 exported) torch computes on one thread, so that torch's OpenMP threads, which spin after
 every parallel region, never fight ORT's spinning workers for the cores. SmolLM2-135M INT4
 on 2 cores, 64 new tokens: 6.7-7.0 ms/token with neither, 11.8 with ORT spinning against
-torch's two threads, 5.6-5.9 with ORT spinning and torch's threads idle.
+torch's two threads, 5.6-5.9 with ORT spinning and torch's threads idle. torch's thread count
+is process-wide: torch work in another thread of the process runs on one thread too while a
+loop decodes.
 
 The decode loop, sampling, stopping and timing are graphopt.generation's; export time is
 reported as compile time, never as decode time.
