@@ -28,7 +28,10 @@ from graphopt.report import CompileReport
 
 class StepRunner(Protocol):
     """What a target gives the decode loop. It owns its KV cache: ``prefill`` starts one,
-    ``step`` extends it by one token; both return the logits [B, V] of the last position."""
+    ``step`` extends it by one token; both return the logits [B, V] of the last position.
+    Optional: ``decoding()``, a context manager the loop holds from the prefill to the last
+    step, where a runner sets torch's threads (the onnxruntime decoder: one; a runner that
+    has one decodes alone, never in lockstep with others: generation/loop.py)."""
 
     target: str  # the target that decodes
     pads: bool  # takes a left-padded batch with an attention mask
