@@ -31,13 +31,13 @@ the layers 4 bits cost too much (graphopt.int8_linear).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from graphopt.ops.quant import INT8_ZERO, SYMMETRIC_ZERO, dequantize_int4, dequantize_int8, pack_int4
+from graphopt.threads import torch_threads
 
 SEARCHES = ("rtn", "mse", "gptq")
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -141,17 +141,11 @@ def _check(weight: Tensor, group_size: int, search: str, hessian: Tensor | None)
         raise ValueError("search 'gptq' needs the calibration Hessian (hessian=X^T X of the layer's inputs)")
 
 
-@contextlib.contextmanager
 def _one_thread():
     """Run the search on one intra-op thread. Its steps are small elementwise ops on a
     cache-sized chunk: threading them costs more in synchronisation than it saves, and on
     a loaded 2-core machine (parallel test workers) two threads made it 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return torch_threads(1)
 
 
 def _quantize_rows(w: Tensor, group_size: int, groups: int, symmetric: bool, dtype: torch.dtype,

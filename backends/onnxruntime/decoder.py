@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
+from graphopt.threads import torch_threads
 
 _ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
 
@@ -256,17 +257,10 @@ class OrtRunner:
             self.decode_run = _session(str(decode_path(path)), self.config.provider)
         self.notes.append(f"prefill and decode run as two models: {self.in_place_problem}")
 
-    @contextlib.contextmanager
     def decoding(self):
         """Torch on one thread while the loop runs on the in-place decoder (module docstring);
         the caller's thread count comes back after it."""
-        threads = torch.get_num_threads()
-        if self.decoder is not None:
-            torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
+        return torch_threads(1) if self.decoder is not None else contextlib.nullcontext()
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         if self.decoder is None:
