@@ -48,7 +48,6 @@ import shutil  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -57,10 +56,12 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep, decode_path, export_kv_cache  # noqa: E402
+from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache  # noqa: E402
 from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.backends.onnxruntime.translations import int4 as int4_translation  # noqa: E402
 from graphopt.config import Options  # noqa: E402
+from graphopt.threads import torch_threads  # noqa: E402
+from ort_recipes import export_plain, optimize_with_ort, quantize_with_ort  # noqa: E402
 from graphopt.generation import Sampler, drive  # noqa: E402
 from graphopt.quant_report import logits_metrics  # noqa: E402
 from weight_traffic import onnx_decode_bytes, read_bandwidth, torch_decode_bytes  # noqa: E402
@@ -142,18 +143,8 @@ def ort_variant(name: str, prefill_path: str, decode_path_: str, threads: int, s
     variant.weight_bytes = onnx_decode_bytes(decode_path_)
     variant.profiled = lambda directory: ort_variant(name, prefill_path, decode_path_, threads, 0.0, directory, spin)
     if spin:
-        variant.decoding = _one_torch_thread
+        variant.decoding = lambda: torch_threads(1)
     return variant
-
-
-@contextlib.contextmanager
-def _one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def inplace_variant(name: str, model, example, config: Options, threads: int, folder: Path, start: float,
@@ -164,59 +155,6 @@ def inplace_variant(name: str, model, example, config: Options, threads: int, fo
     from generate_variant import in_place
 
     return in_place(Variant, name, model, example, config, threads, folder, start, unfolded=unfolded, spin=spin)
-
-
-def export_plain(model, example, folder: Path) -> tuple[str, str]:
-    """torch.onnx.export (dynamo) of the prefill and decode steps, no graphopt involved."""
-    dyn = torch.export.Dim.DYNAMIC
-    _, cache = model(example)
-    flat = [t for kv in cache for t in kv]
-    paths = (str(folder / "plain.onnx"), str(folder / "plain.decode.onnx"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(PrefillStep(model), (example,), dynamo=True, dynamic_shapes=({0: dyn, 1: dyn},),
-                          verbose=False).save(paths[0])
-        torch.onnx.export(DecodeStep(model), (example[:, -1:], *flat), dynamo=True, verbose=False,
-                          dynamic_shapes=({0: dyn}, tuple({0: dyn, 2: dyn} for _ in flat))).save(paths[1])
-    return paths
-
-
-def optimize_with_ort(paths: tuple[str, str], config, folder: Path) -> tuple[str, str]:
-    """onnxruntime.transformers.optimizer on the plain export. Every model type it offers for a
-    decoder (gpt2, qwen3, gpt_neox, bert) gives the same fusions here (the norms; attention
-    and rotary stay decomposed), so gpt2 it is."""
-    from onnxruntime.transformers.optimizer import optimize_model
-
-    out = []
-    for path in paths:
-        optimized = optimize_model(path, model_type="gpt2", num_heads=config.num_heads, hidden_size=config.hidden_size)
-        target = str(folder / ("ortopt" + Path(path).name[len("plain"):]))
-        optimized.save_model_to_file(target)
-        out.append(target)
-    return out[0], out[1]
-
-
-def quantize_with_ort(paths: tuple[str, str], block_size: int, folder: Path) -> tuple[str, str]:
-    """ONNX Runtime's INT4 recipe on the optimized export: MatMulNBitsQuantizer, symmetric
-    round-to-nearest with ``block_size``, and the accuracy level of its fast int8-compute CPU
-    kernels (graphopt's MatMulNBits use the same level, so the two race on equal kernels)."""
-    import logging
-
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    # The quantizer turns the root logger to INFO on import; these then print a line per node
-    # (onnxscript's constant folding on every later export in this process too).
-    for name in ("onnxruntime.quantization.matmul_nbits_quantizer", "onnx_ir", "onnxscript"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    out = []
-    for path in paths:
-        quantizer = MatMulNBitsQuantizer(onnx.load(path), block_size=block_size, is_symmetric=True, accuracy_level=4)
-        quantizer.process()
-        target = str(folder / ("ortint4" + Path(path).name[len("ortopt"):]))
-        quantizer.model.save_model_to_file(target)
-        out.append(target)
-    return out[0], out[1]
 
 
 def generate(variant: Variant, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,16 +169,17 @@ def measure_lockstep(variants: list[Variant], prompt: torch.Tensor, new_tokens: 
     variant's prefill, then each decode step of every variant before the next step), so that
     load from other processes lands on all of them alike. A prefill is one sample against
     many decode steps, so ``prefills - 1`` more are timed before it. ``lockstep=False``: one
-    whole generation per variant in turn instead."""
+    whole generation per variant in turn instead, its extra prefills just before it, under the
+    threads its generation gets (``decoding()``, as drive holds it)."""
     order = variants[::-1] if reverse else variants
-    with torch.no_grad():
-        for _ in range(prefills - 1):
-            for v in order:
-                start = time.perf_counter()
-                v.prefill(prompt)
-                v.prefill_ms.append((time.perf_counter() - start) * 1e3)
-    groups = [order] if lockstep else [[v] for v in order]
-    for group in groups:
+    for group in [order] if lockstep else [[v] for v in order]:
+        with torch.no_grad():
+            for _ in range(prefills - 1):
+                for v in group:
+                    with v.decoding() if hasattr(v, "decoding") else contextlib.nullcontext():
+                        start = time.perf_counter()
+                        v.prefill(prompt)
+                        v.prefill_ms.append((time.perf_counter() - start) * 1e3)
         for v, result in zip(group, drive(group, prompt, None, new_tokens, [Sampler() for _ in group])):
             v.prefill_ms.append(result.prefill_ms)
             v.decode_ms.extend(result.ms_per_token)
