@@ -250,7 +250,9 @@ def light_cleanup(model) -> None:
     from onnxscript.optimizer import fold_constants
 
     common.InlinePass()(model)
-    fold_constants(model, onnx_shape_inference=False)
+    # With ONNX's type inference, so a value's dtype is what the node computes, not what
+    # the trace said: _match_output_dtypes casts by it (native_layer_norm's float32 mean).
+    fold_constants(model, onnx_shape_inference=True)
     ir.passes.PassManager([
         common.RemoveUnusedNodesPass(), common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common.DeduplicateInitializersPass(), common.CommonSubexpressionEliminationPass(), common.OutputFixPass(),
