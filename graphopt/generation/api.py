@@ -166,6 +166,10 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
             mine.compile_s -= before[2]
             if reused:
                 mine.notes.append("reused the step runner an earlier generate call compiled for this model")
+            if config.int4 and mine.target == "eager":
+                from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
+
+                mine.notes.append(REFERENCE_QUANTIZED_NOTE)
             return results
         except GraphoptError as error:
             reason = str(error)

@@ -54,6 +54,14 @@ def test_one_compilation_serves_every_decode_step(greedy):
     assert "no CUDA graph captured: the graph runs on cpu" in greedy.cuda_graphs
 
 
+def test_int4_on_the_eager_target_says_it_runs_the_slow_reference(model, prompt):
+    from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
+
+    graphopt.reset()
+    out = graphopt.generate(model, prompt, 2, options={"target": "eager", "int4": True, "fallback": "error"})
+    assert out.target == "eager" and REFERENCE_QUANTIZED_NOTE in out.notes
+
+
 def test_the_step_cache_compiles_again_only_for_a_new_signature():
     made = []
     cache = StepCache(lambda ids, pos, past: made.append(ids.shape) or type("S", (), {"compile_s": 0.0})())

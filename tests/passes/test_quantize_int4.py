@@ -263,6 +263,22 @@ def test_int4_option_adds_the_pass_and_the_report_block():
     assert plain.to_dict()["int4"] is None and "quantize_int4" not in [p.name for p in plain.passes]
 
 
+def test_the_eager_target_says_its_quantized_ops_are_the_slow_reference():
+    """The eager target dequantizes every weight at each call; the report says so and names
+    the targets with INT4 kernels, and says nothing on a float graph or an INT4 one on ORT."""
+    from graphopt.cli.model_source import load_model
+    from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
+
+    loaded = load_model("llama-tiny", seq_len=8)
+    _, report = compile_with_graphopt(loaded.module, *loaded.example_inputs, int4=True)
+    assert report.target == "eager" and REFERENCE_QUANTIZED_NOTE in report.notes
+    _, plain = compile_with_graphopt(loaded.module, *loaded.example_inputs)
+    assert REFERENCE_QUANTIZED_NOTE not in plain.notes
+    pytest.importorskip("onnxruntime")
+    _, ort = compile_with_graphopt(loaded.module, *loaded.example_inputs, int4=True, target="onnxruntime")
+    assert ort.target == "onnxruntime" and REFERENCE_QUANTIZED_NOTE not in ort.notes
+
+
 def test_act_order_option_lowers_the_output_error_on_loud_channels(final_graph):
     torch.manual_seed(0)
     module = Mlp()
