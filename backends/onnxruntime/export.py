@@ -193,14 +193,18 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
                  opset: int | None = None, input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None,
                  axis_names: Sequence[dict[int, str] | None] | None = None,
-                 sizes_from: dict[int, tuple[int, int]] | None = None, rewrite: bool = True) -> OnnxModel:
+                 sizes_from: dict[int, tuple[int, int]] | None = None, rewrite: bool = True,
+                 infer_types: bool = True) -> OnnxModel:
     """Export ``gm`` (an optimized ATen graph) to ONNX; raise UnsupportedOp / OnnxExportError.
 
     ``sizes_from`` {input index: (tensor input index, axis)}: non-tensor inputs to compute
     from a tensor input's size instead of baking in their example value. ``rewrite=False``
     skips onnxscript's pattern rewrites (``light_cleanup`` folds constants instead): on a
     30-layer model they took half of the ONNX export, for rewrites ORT's own session
-    optimizer also makes.
+    optimizer also makes. Without them the constant folding runs ONNX's type inference, so
+    each value's dtype is what its node computes (``_match_output_dtypes`` casts by it:
+    native_layer_norm's float32 mean), unless ``infer_types=False``: the in-place decoder's
+    layout tidy-up reads the trace's axis names, which inference replaces.
     """
     table = translation_table()
     prepared, cached = lowering.prepare(gm, table)
@@ -233,7 +237,7 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
         raise _explain(error) from error
     model = program.model
     if not rewrite:
-        light_cleanup(model)
+        light_cleanup(model, infer_types)
     _trim_unused_outputs(model)
     _match_output_dtypes(model, wrapper.record.dtypes)
     if names:
@@ -242,17 +246,16 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
                      list(wrapper.record.plan), cached)
 
 
-def light_cleanup(model) -> None:
-    """onnxscript's optimizer without its pattern rewrites: constants folded and lifted,
-    unused nodes and duplicate initializers dropped, common subexpressions merged."""
+def light_cleanup(model, infer_types: bool = True) -> None:
+    """onnxscript's optimizer without its pattern rewrites: constants folded (with ONNX's
+    type inference when ``infer_types``) and lifted, unused nodes and duplicate initializers
+    dropped, common subexpressions merged."""
     import onnx_ir as ir
     import onnx_ir.passes.common as common
     from onnxscript.optimizer import fold_constants
 
     common.InlinePass()(model)
-    # With ONNX's type inference, so a value's dtype is what the node computes, not what
-    # the trace said: _match_output_dtypes casts by it (native_layer_norm's float32 mean).
-    fold_constants(model, onnx_shape_inference=True)
+    fold_constants(model, onnx_shape_inference=infer_types)
     ir.passes.PassManager([
         common.RemoveUnusedNodesPass(), common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
         common.DeduplicateInitializersPass(), common.CommonSubexpressionEliminationPass(), common.OutputFixPass(),

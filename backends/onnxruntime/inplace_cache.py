@@ -239,7 +239,8 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
     with timer("onnx export"):
         onnx_model = export_graph(result.gm, program.example_inputs, opset=opset, axis_names=axes,
                                   input_names=["input_ids", "position_ids", "last"],
-                                  output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite)
+                                  output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite,
+                                  infer_types=False)
         share_cache(onnx_model.model)
         attention_layout.tidy_attention_layout(onnx_model.model)
         positions = max_positions(model)
