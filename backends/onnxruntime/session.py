@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from graphopt.backends.onnxruntime.errors import ProviderUnavailable
+from graphopt.backends.onnxruntime.weights_in_memory import serialize_sharing_weights
 
 # provider option value -> (ORT execution provider, the package that ships it)
 PROVIDERS: dict[str, tuple[str, str]] = {
@@ -63,8 +64,11 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     grew to, so a model with dynamic axes either has it off or shrinks it after each run with
     its outputs outside it (``bound_outputs.py``); ``session._graphopt_arena`` says which.
 
-    A model over 2 GB is written to a temporary folder with external data and loaded from
-    there (protobuf cannot hold it in memory); the folder lives as long as the session.
+    An in-memory model (export.OnnxModel) on the CPU keeps its weights out of the bytes ORT
+    parses: they are handed over as OrtValues (``weights_in_memory.py``), so a model of any
+    size loads without files. On other providers a model over 2 GB is written to a
+    temporary folder with external data and loaded from there (protobuf cannot hold it in
+    memory); the folder lives as long as the session.
     """
     import onnxruntime
 
@@ -86,7 +90,9 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     providers = [ep] if provider == "cpu" else [ep, "CPUExecutionProvider"]
     keepalive = None
     source: Any = model
-    if hasattr(model, "to_bytes"):
+    if hasattr(model, "to_bytes") and provider == "cpu":  # other providers: not tried on a device yet
+        source, keepalive = serialize_sharing_weights(model, session_options)
+    elif hasattr(model, "to_bytes"):
         if model.is_large():
             keepalive = tempfile.TemporaryDirectory(prefix="graphopt-ort-")
             source = os.path.join(keepalive.name, "model.onnx")
@@ -105,7 +111,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     if ep not in session.get_providers():
         raise ProviderUnavailable(f"provider {provider} is installed but did not start (no device?); "
                                   f"use provider=cpu or check the {PROVIDERS[provider][1]} install")
-    session._graphopt_keepalive = keepalive  # noqa: SLF001  (the external-data folder)
+    session._graphopt_keepalive = keepalive  # noqa: SLF001  (the weights ORT reads, or the external-data folder)
     session._graphopt_arena = arena  # noqa: SLF001
     return session
 

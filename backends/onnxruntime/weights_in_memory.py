@@ -1,0 +1,63 @@
+"""Give ONNX Runtime an in-memory model's weights as OrtValues instead of serializing them.
+
+Serializing a model copies every weight into the protobuf, then into its bytes, and ORT
+copies them out again when it parses the bytes: 2.3-3.5 s of the 3.5-4.7 s that opening a
+llama-small session took. Here the model is serialized with its large initializers marked
+as external data at a location that names no file, and ORT is handed each one as an
+OrtValue (``SessionOptions.add_external_initializers``), which it takes in place of reading
+the file. llama-small: 4.4 -> 2.7 s to open the session, resident memory unchanged
+(+1262 against +1261 MB); a model over protobuf's 2 GB limit needs no temporary files.
+
+The OrtValues wrap graphopt's own copies, never views of the caller's tensors: ORT keeps
+reading the buffers it is given for the session's life, and a view would let an in-place
+edit of a model weight reach some ops and not others (those whose weights ORT repacked at
+load). So the copies must outlive the session: :func:`serialize_sharing_weights` returns
+them for the caller to keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+IN_MEMORY = "graphopt-in-memory"  # the external-data location: no file, ORT gets the values
+MIN_BYTES = 1024  # smaller initializers stay in the model's bytes
+
+
+def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list]:
+    """``model`` (an export.OnnxModel) as bytes without its large initializers, which are
+    added to ``session_options`` instead. Returns (the bytes, what must outlive the session).
+    The model itself is left as it was."""
+    import onnx_ir as ir
+    import onnxruntime
+    import torch
+
+    graph = model.model.graph
+    graph_inputs = {value.name for value in graph.inputs}
+    swapped, names, values, arrays = {}, [], [], []
+    for name, value in graph.initializers.items():
+        tensor = value.const_value
+        if tensor is None or tensor.nbytes < MIN_BYTES or name in graph_inputs:
+            continue
+        array = tensor.numpy()
+        # bfloat16 (an ml_dtypes type) and strings have no OrtValue from numpy; a packed
+        # type whose numpy form has other bytes (4-bit) would not match the declared length.
+        if array.dtype.kind not in "fiub" or array.nbytes != tensor.nbytes:
+            continue
+        # torch's copy: most weights are transposed views here, which numpy copies 5x slower
+        # (llama-small: 1.9 s for numpy against 0.4 s).
+        view = torch.from_numpy(array)
+        array = torch.empty(view.shape, dtype=view.dtype).copy_(view).numpy()
+        names.append(name)
+        values.append(onnxruntime.OrtValue.ortvalue_from_numpy(array))
+        arrays.append(array)
+        swapped[name] = tensor
+        value.const_value = ir.ExternalTensor(IN_MEMORY, 0, tensor.nbytes, tensor.dtype, shape=tensor.shape,
+                                              name=name)
+    try:
+        data = model.to_proto().SerializeToString()
+    finally:
+        for name, tensor in swapped.items():
+            graph.initializers[name].const_value = tensor
+    if names:
+        session_options.add_external_initializers(names, values)
+    return data, [arrays, values]
