@@ -65,10 +65,10 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     its outputs outside it (``bound_outputs.py``); ``session._graphopt_arena`` says which.
 
     An in-memory model (export.OnnxModel) on the CPU keeps its weights out of the bytes ORT
-    parses: they are handed over as OrtValues (``weights_in_memory.py``), so a model of any
-    size loads without files. On other providers a model over 2 GB is written to a
-    temporary folder with external data and loaded from there (protobuf cannot hold it in
-    memory); the folder lives as long as the session.
+    parses: they are handed over as OrtValues, which ORT copies (``weights_in_memory.py``),
+    so a model of any size loads without files. On other providers a model over 2 GB is
+    written to a temporary folder with external data and loaded from there (protobuf cannot
+    hold it in memory); the folder lives as long as the session.
     """
     import onnxruntime
 
@@ -90,8 +90,9 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     providers = [ep] if provider == "cpu" else [ep, "CPUExecutionProvider"]
     keepalive = None
     source: Any = model
+    handed_over = None  # weights ORT copies while the session is created
     if hasattr(model, "to_bytes") and provider == "cpu":  # other providers: not tried on a device yet
-        source, keepalive = serialize_sharing_weights(model, session_options)
+        source, handed_over = serialize_sharing_weights(model, session_options)
     elif hasattr(model, "to_bytes"):
         if model.is_large():
             keepalive = tempfile.TemporaryDirectory(prefix="graphopt-ort-")
@@ -103,6 +104,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
         session = onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
     except Exception as error:  # every caller (compile, generate's decoders, export) gets one clear line
         raise missing_kernel(error, model, provider) or error
+    del handed_over  # copied into the session: no longer needed
     # The Python session keeps the model bytes it was made from, only to rebuild itself in
     # set_providers(), which graphopt never calls: a second copy of every weight for the
     # session's whole life (600 MB on llama-small). The C++ session has its own copy.
@@ -111,7 +113,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     if ep not in session.get_providers():
         raise ProviderUnavailable(f"provider {provider} is installed but did not start (no device?); "
                                   f"use provider=cpu or check the {PROVIDERS[provider][1]} install")
-    session._graphopt_keepalive = keepalive  # noqa: SLF001  (the weights ORT reads, or the external-data folder)
+    session._graphopt_keepalive = keepalive  # noqa: SLF001  (the external-data folder)
     session._graphopt_arena = arena  # noqa: SLF001
     return session
 
