@@ -164,17 +164,25 @@ def format_graph(gm: fx.GraphModule) -> str:
     return "\n".join(format_node(n) for n in gm.graph.nodes)
 
 
+try:  # torch's own lazily recompiled GraphModule (Inductor's passes use it the same way)
+    from torch.fx._lazy_graph_module import _LazyGraphModule as _LAZY_GRAPH_MODULE
+except ImportError:  # a private torch class: without it each copy generates its code at once
+    _LAZY_GRAPH_MODULE = fx.GraphModule
+
+
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A new GraphModule over a copy of the graph that shares gm's tensors (no weight copy).
 
     The PassManager runs each pass on such a copy, so a pass that fails half-way
-    leaves the previous graph intact.
+    leaves the previous graph intact. The copy generates its Python code when it is first
+    called or its code read, not when it is made: most copies are only rewritten
+    (SmolLM2's first compile made 14, 1.4-1.7 s of code generation no one ran).
     """
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
-    new = fx.GraphModule(gm, graph)
+    new = _LAZY_GRAPH_MODULE(gm, graph)
     new.meta.update(getattr(gm, "meta", {}))
     for node, old in zip(new.graph.nodes, gm.graph.nodes):
         node.meta = dict(old.meta)
