@@ -115,9 +115,10 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     # No onnxscript pattern rewrites: this model only ever feeds the session below, whose
     # optimizer makes the same rewrites, and their matcher is quadratic in the graph's nodes
     # (SmolLM2's dynamic export: 30 -> 14 s, and 41 -> 19 s once the batch is dynamic too).
+    # Attention's layout round trips go, which ORT's optimizer leaves (export_graph's docstring).
     with ThreadPoolExecutor(max_workers=1) as pool:
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                            rewrite=False).result()
+                            rewrite=False, tidy_attention=True).result()
     exported = time.perf_counter()
     session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     done = time.perf_counter()

@@ -4,6 +4,7 @@ exported once with dynamic axes and runs in one session, and every build is in t
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
 import torch
@@ -224,3 +225,32 @@ def test_a_failed_dynamic_export_falls_back_to_one_static_export_per_shape(monke
     assert "once per input shape" in caplog.text
     made = builds()
     assert [b["dynamic_dims"] for b in made] == [[], []]  # (2, 5) and (3, 8); the repeat reuses the first
+
+
+@pytest.mark.parametrize("tidy", [True, False])
+def test_dynamic_export_reads_attention_inputs_without_layout_round_trips(ort_models, monkeypatch, tidy):
+    """torch.compile's export removes attention's layout round trips (attention_layout.py):
+    the query is rotated as [B, S, H*D] and read straight by GroupQueryAttention, and the
+    attention output's Reshapes back are gone. The returned key and value keep the BNSH
+    Transposes eager returns them in. Both ways match eager; the tidy-up only removes nodes."""
+    from graphopt.backends.onnxruntime import export as export_module
+
+    real = export_module.export_graph
+    monkeypatch.setattr(export_module, "export_graph", lambda *a, **k: real(*a, **{**k, "tidy_attention": tidy}))
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model, dynamic=True)
+    for batch, seq in ((2, 5), (3, 8)):
+        run_checked(compiled, model, batch, seq)
+    (onnx_model,) = ort_models
+    ops = Counter(n.op_type for n in onnx_model.model.graph)
+    queries = [n.inputs[0].producer() for n in onnx_model.model.graph if n.op_type == "GroupQueryAttention"]
+    assert len(queries) == 2
+    if tidy:
+        # Per layer: the key to BNSH for its rotation (it is returned rotated), back, and to
+        # BNSH again for the return (a pair ORT's optimizer cancels); the value to BNSH (it is
+        # returned). The query's pair and the output's Reshapes are gone.
+        assert ops["Transpose"] == 4 * 2, ops
+        assert all(q.op_type == "RotaryEmbedding" and len(q.inputs[0].shape) == 3 for q in queries)
+    else:
+        assert ops["Transpose"] > 4 * 2, ops
+        assert all(q.op_type != "RotaryEmbedding" for q in queries)
