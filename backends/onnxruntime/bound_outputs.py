@@ -6,8 +6,10 @@ llama-small); with the arena off, every large intermediate is a fresh glibc ``mm
 faults anew each time (GroupQueryAttention's 67 MB probabilities and the 46 MB gate/up
 product in each layer: 1.2 GB of faults per 4x512 call against eager's 0.8 GB, which made the
 call ~10% slower than eager). So a dynamic CPU session keeps the arena and asks ORT to shrink
-it after every run (``memory.enable_memory_arena_shrinkage``): inside the run the layers
-reuse the arena's blocks, and after it the memory goes back to the OS.
+it after a run at new input shapes (``memory.enable_memory_arena_shrinkage``): inside the run
+the layers reuse the arena's blocks, and after it the memory goes back to the OS. A run that
+repeats the previous run's shapes keeps the arena, since shrinking after it would make the
+next run fault the same memory back in (``target._runner``).
 
 The shrink frees only arena regions with nothing in use, and the run's outputs are still in
 use when it happens: outputs from the arena would pin their regions (the 262 MB logits and
