@@ -38,6 +38,7 @@ import argparse
 import gc
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -76,7 +77,7 @@ def build_count() -> int:
     return sum(len(r.builds) for r in graphopt.reports())
 
 
-def run_variant(name: str, model_name: str, max_len: int, passes: int = 1) -> list[dict]:
+def run_variant(name: str, model_name: str, max_len: int, passes: int = 1, repeat_longest: int = 0) -> list[dict]:
     """Call the model at every shape under ``name``; one row per call."""
     import graphopt
     from graphopt import models
@@ -107,6 +108,10 @@ def run_variant(name: str, model_name: str, max_len: int, passes: int = 1) -> li
             row["steady_s"] = min(row.get("steady_s", seconds), seconds)
     if passes > 1:
         rows[-1]["builds_after_passes"] = build_count()
+    # The longest shape again and again, as a server at one shape calls it (after the passes,
+    # whose last call is that shape too): what a session that keeps its memory for a repeated
+    # shape gains (backends/onnxruntime/target.py::_runner).
+    rows[-1]["repeat_s"] = [_timed_call(fn, model, rows[-1]["batch"], rows[-1]["seq"]) for _ in range(repeat_longest)]
     if name != "eager" and not name.startswith("inductor"):
         rows[-1]["builds_detail"] = [b for r in graphopt.reports() for b in r.to_dict()["builds"]]
         rows[-1]["targets"] = sorted({r.target for r in graphopt.reports()})
@@ -170,6 +175,13 @@ def verdict(results: dict[str, list[dict]]) -> str:
             line += (f"; in the repeated passes (best of each): {steady or 'none'}, builds after them "
                      f"{ort[-1].get('builds_after_passes')}")
         lines.append(line)
+    repeats = {name: rows[-1]["repeat_s"][1:] for name, rows in results.items() if len(rows[-1].get("repeat_s", [])) > 1}
+    if "eager" in repeats:
+        base = statistics.median(repeats["eager"])
+        shape = f"{eager[-1]['batch']}x{eager[-1]['seq']}"
+        for name, times in repeats.items():
+            lines.append(f"{name}: {shape} repeated, median of calls 3..{len(times) + 2} in a row: "
+                         f"{statistics.median(times):.3f} s ({statistics.median(times) / base:.2f}x eager)")
     return "\n".join(lines)
 
 
@@ -181,16 +193,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passes", type=int, default=1,
                         help="run the 12 calls this many times in each process; passes after the first add a "
                              "'steady' column (best time per call: no compilation, least disturbed by load)")
+    parser.add_argument("--repeat-longest", type=int, default=0,
+                        help="then call the longest shape this many more times in a row and print the median of "
+                             "all but the first of them, as a ratio to eager's (a server at one shape)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one variant in this process, print JSON
     args = parser.parse_args(argv)
     if args.one:
-        print(json.dumps(run_variant(args.one, args.model, args.max_len, args.passes)))
+        print(json.dumps(run_variant(args.one, args.model, args.max_len, args.passes, args.repeat_longest)))
         return 0
     results = {}
     for name in args.variants.split(","):
         start = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--model", args.model, "--max-len", str(args.max_len),
-                               "--passes", str(args.passes), "--one", name],
+                               "--passes", str(args.passes), "--repeat-longest", str(args.repeat_longest),
+                               "--one", name],
                               capture_output=True, text=True)
         if done.returncode:
             print(f"{name} failed:\n{done.stderr[-2000:]}", file=sys.stderr)
