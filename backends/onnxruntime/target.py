@@ -227,9 +227,11 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
 
     def run(*args: Any) -> Any:
         tensors = [args[i] for i in tensor_positions]
-        shapes = [tuple(t.shape) for t in tensors]
-        options = release if shapes != previous_shapes[0] else None
-        previous_shapes[0] = shapes
+        options = None
+        if release is not None:  # a static session has no arena to shrink
+            shapes = [tuple(t.shape) for t in tensors]
+            options = release if shapes != previous_shapes[0] else None
+            previous_shapes[0] = shapes
         into = bound.allocate(positions, args) if positions is not None and runner.takes_numpy(tensors) else None
         # Outputs the arena allocated would pin their regions through the shrink: bind ours.
         outputs = runner.run_into(tensors, into, options) if into is not None else runner(*tensors, run_options=options)
