@@ -1,9 +1,12 @@
 """Optimized FX graph -> ONNX model whose graphopt ops are ONNX Runtime's fused ops.
 
-torch.onnx's exporter does the work: it re-traces the graph with torch.export, decomposes
-ATen ops it has no direct translation for, and translates graphopt ops with our table
-(``translations/``), so there is no hand-built protobuf here. Weights frozen by the frontend
-are buffers of the GraphModule and become initializers.
+torch.onnx's exporter does the work: it translates ATen ops with torchlib's functions and
+graphopt ops with our table (``translations/``), so there is no hand-built protobuf here.
+Weights frozen by the frontend are buffers of the GraphModule and become initializers. A
+compiled graph goes straight to the exporter's translation step (``direct_export.py``); one
+that needs its trace first (an op it decomposes, an in-place op) goes through
+``torch.onnx.export``, which re-traces it with torch.export and decomposes what it has no
+translation for. ``OnnxModel.route`` says which, and why.
 
 Dynamic axes: a graph whose inputs have symbolic sizes (torch.export with dynamic_shapes,
 the ``graphopt export`` path, or a dynamo graph after its automatic-dynamic recompile) keeps
@@ -29,7 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime import lowering, schemas
+from graphopt.backends.onnxruntime import direct_export, lowering, schemas
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.translations import translation_table
 
@@ -50,6 +53,8 @@ class OnnxModel:
     # ("sym", i) for a symbolic size the caller computes from the inputs' sizes at run time.
     output_plan: list[Any] = field(default_factory=list)
     cached_attention: int = 0  # attentions lowered to GroupQueryAttention with past/present
+    # "direct" (translated as compiled: direct_export.py) or "traced: <why>" (torch.onnx.export).
+    route: str = "traced"
 
     def op_histogram(self) -> dict[str, int]:
         """``{"com.microsoft::GroupQueryAttention": 8, "MatMul": 57, ...}`` over the main graph."""
@@ -216,11 +221,30 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
         raise ValueError("tidy_attention needs rewrite=False: the exporter's rewrites rename the axes it compares")
     table = translation_table()
     prepared, cached = lowering.prepare(gm, table)
-    wrapper = _TensorsOnly(prepared, example_inputs, sizes_from)
-    tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
     dynamic_shapes = _dynamic_shapes(prepared, example_inputs, axis_names) if dynamic else None
     names = [{a: d.__name__ for a, d in spec.items()} if spec else None for spec in dynamic_shapes[0]] \
         if dynamic_shapes else []
+    try:
+        with _quiet():
+            direct = direct_export.translate(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
+                                             table=table, opset=opset)
+            model = direct.model
+            if rewrite:  # what torch.onnx.export's optimize=True runs
+                from torch.onnx._internal._lazy_import import onnxscript_apis
+
+                model = onnxscript_apis.optimize(model)
+        return _finish(model, direct.output_plan, direct.output_dtypes, cached, "direct", names=names,
+                       input_names=input_names, output_names=output_names, infer_types=infer_types,
+                       tidy_attention=tidy_attention, rewrite=rewrite)
+    except direct_export.NotDirect as reason:
+        route = f"traced: {reason}"
+    except Exception as error:  # private exporter internals moved, or a graph the checks missed
+        route = f"traced: the direct translation failed ({_first_line(error)})"
+        logging.getLogger(__name__).info("graphopt: the ONNX export re-traces this graph, %s", route[8:],
+                                         exc_info=logging.getLogger(__name__).isEnabledFor(logging.DEBUG))
+    prepared, cached = lowering.prepare(gm, table)  # the attempt rewrote its copy
+    wrapper = _TensorsOnly(prepared, example_inputs, sizes_from)
+    tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
 
     def run_exporter(shapes):
         with _quiet():
@@ -243,7 +267,19 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
             program = run_exporter(dynamic_shapes)
     except Exception as error:  # the exporter wraps everything; find what the user needs to know
         raise _explain(error) from error
-    model = program.model
+    return _finish(program.model, wrapper.record.plan, wrapper.record.dtypes, cached, route, names=names,
+                   infer_types=infer_types, tidy_attention=tidy_attention, rewrite=rewrite)
+
+
+def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names, infer_types: bool,
+            tidy_attention: bool, rewrite: bool, input_names=None, output_names=None) -> OnnxModel:
+    """What both routes do after translating: names, the layout tidy-up, cleanup, output dtypes."""
+    from torch.onnx._internal.exporter import _ir_passes
+
+    if input_names:  # the traced route's exporter renamed them already
+        _ir_passes.rename_inputs(model, list(input_names))
+    if output_names:
+        _ir_passes.rename_outputs(model, list(output_names))
     if tidy_attention:
         from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout
 
@@ -251,11 +287,11 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
     if not rewrite:
         light_cleanup(model, infer_types)
     _trim_unused_outputs(model)
-    _match_output_dtypes(model, wrapper.record.dtypes)
+    _match_output_dtypes(model, output_dtypes)
     if names:
         _name_dynamic_axes(model, names)
     return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
-                     list(wrapper.record.plan), cached)
+                     list(output_plan), cached, route)
 
 
 def light_cleanup(model, infer_types: bool = True) -> None:
