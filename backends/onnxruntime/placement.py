@@ -41,9 +41,14 @@ def _exporter_tables() -> tuple | None:
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
-        from torch.onnx._internal.exporter import _decomp, _registration
+        from torch.onnx._internal.exporter import _decomp
 
-        registry = _registration.ONNXRegistry.from_torchlib()
+        from graphopt.backends.onnxruntime.direct_export import registry as exporter_registry
+        from graphopt.backends.onnxruntime.translations import translation_table
+
+        # The export's own registry (built once): ours adds only graphopt ops, which refusal
+        # looks up in the translation table before it asks torch.onnx.
+        registry = exporter_registry(translation_table())
         decomposed = _decomp.create_onnx_friendly_decomposition_table(
             set(_decomp.get_onnx_implemented_overloads(registry)))
         return registry, frozenset(decomposed)
