@@ -47,6 +47,7 @@ class ExportedFile:
     outputs: list[str]
     validation: list[dict] = field(default_factory=list)  # one {shape, max_abs_err, rel_err, top1} per input set
     int4: dict | None = None  # OnnxModel.int4_weights(): MatMulNBits count and weight bytes
+    export_route: str = "traced"  # OnnxModel.route: "direct", or "traced: <why>"
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -227,7 +228,8 @@ def describe(role: str, model: OnnxModel, files: list[str], graphopt_ops: dict[s
     return ExportedFile(role=role, path=files[-1], files=files, size_bytes=sum(os.path.getsize(f) for f in files),
                         op_histogram=model.op_histogram(), fused_ops=model.fused_op_counts(),
                         graphopt_ops={k: v for k, v in graphopt_ops.items() if k.startswith("graphopt.")},
-                        inputs=model.input_names, outputs=model.output_names, int4=model.int4_weights())
+                        inputs=model.input_names, outputs=model.output_names, int4=model.int4_weights(),
+                        export_route=model.route)
 
 
 def flatten_outputs(outputs: Any) -> list[torch.Tensor]:

@@ -45,6 +45,7 @@ def test_export_writes_a_model_that_matches_eager_on_two_shapes(tmp_path):
     data = export_json("llama-tiny", "-o", str(path))
     (model,) = data["files"]
     assert data["ok"] and model["path"] == str(path) and path.stat().st_size == model["size_bytes"]
+    assert model["export_route"] == "direct"  # no torch.onnx re-trace (direct_export.py)
     shapes = [row["input_shapes"][0] for row in model["validation"]]
     assert shapes == [[2, 16], [3, 19]]  # the second set runs the dynamic batch and sequence axes
     assert all(row["rel_err"] < 1e-4 for row in model["validation"])
