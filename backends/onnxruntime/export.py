@@ -224,24 +224,12 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
     dynamic_shapes = _dynamic_shapes(prepared, example_inputs, axis_names) if dynamic else None
     names = [{a: d.__name__ for a, d in spec.items()} if spec else None for spec in dynamic_shapes[0]] \
         if dynamic_shapes else []
-    try:
-        with _quiet():
-            direct = direct_export.translate(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                                             table=table, opset=opset)
-            model = direct.model
-            if rewrite:  # what torch.onnx.export's optimize=True runs
-                from torch.onnx._internal._lazy_import import onnxscript_apis
-
-                model = onnxscript_apis.optimize(model)
-        return _finish(model, direct.output_plan, direct.output_dtypes, cached, "direct", names=names,
+    direct, route = _translate_directly(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
+                                        table=table, opset=opset, rewrite=rewrite)
+    if direct is not None:
+        return _finish(direct.model, direct.output_plan, direct.output_dtypes, cached, route, names=names,
                        input_names=input_names, output_names=output_names, infer_types=infer_types,
                        tidy_attention=tidy_attention, rewrite=rewrite)
-    except direct_export.NotDirect as reason:
-        route = f"traced: {reason}"
-    except Exception as error:  # private exporter internals moved, or a graph the checks missed
-        route = f"traced: the direct translation failed ({_first_line(error)})"
-        logging.getLogger(__name__).info("graphopt: the ONNX export re-traces this graph, %s", route[8:],
-                                         exc_info=logging.getLogger(__name__).isEnabledFor(logging.DEBUG))
     prepared, cached = lowering.prepare(gm, table)  # the attempt rewrote its copy
     wrapper = _TensorsOnly(prepared, example_inputs, sizes_from)
     tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
@@ -269,6 +257,27 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
         raise _explain(error) from error
     return _finish(program.model, wrapper.record.plan, wrapper.record.dtypes, cached, route, names=names,
                    infer_types=infer_types, tidy_attention=tidy_attention, rewrite=rewrite)
+
+
+def _translate_directly(prepared: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: bool, sizes_from,
+                        table: dict, opset: int | None, rewrite: bool):
+    """(the direct translation, "direct"), or (None, "traced: <why>") for torch.onnx.export."""
+    try:
+        with _quiet():
+            direct = direct_export.translate(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
+                                             table=table, opset=opset)
+            if rewrite:  # what torch.onnx.export's optimize=True runs
+                from torch.onnx._internal._lazy_import import onnxscript_apis
+
+                direct.model = onnxscript_apis.optimize(direct.model)
+        return direct, "direct"
+    except direct_export.NotDirect as reason:
+        return None, f"traced: {reason}"
+    except Exception as error:  # private exporter internals moved, or a graph the checks missed
+        log = logging.getLogger(__name__)
+        log.info("graphopt: the ONNX export re-traces this graph: the direct translation failed (%s)",
+                 _first_line(error), exc_info=log.isEnabledFor(logging.DEBUG))
+        return None, f"traced: the direct translation failed ({_first_line(error)})"
 
 
 def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names, infer_types: bool,

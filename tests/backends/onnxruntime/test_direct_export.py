@@ -173,3 +173,18 @@ def test_a_static_export_of_a_symbolic_graph_takes_the_traced_route():
     assert direct_export.translate(gm, [torch.randn(3, 4)], dynamic=False, sizes_from=None, table={}).model
     with pytest.raises(direct_export.NotDirect, match="symbolic size in a static export"):
         direct_export.translate(gm_symbolic, [torch.randn(3, 4)], dynamic=False, sizes_from=None, table={})
+
+
+def test_a_failing_direct_translation_falls_back_to_the_traced_route_and_says_so(monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("torch.onnx moved a private function")
+
+    monkeypatch.setattr(direct_export, "translate", broken)
+    x = torch.randn(3, 4)
+    gm = _aten_graph(lambda a: torch.relu(a) * 2, x)
+    with caplog.at_level("INFO", logger="graphopt"):
+        model = export_module.export_graph(gm, [x], dynamic=False)
+    assert model.route == "traced: the direct translation failed (RuntimeError: torch.onnx moved a private function)"
+    assert any("re-traces this graph" in r.getMessage() for r in caplog.records)
+    (got,) = run(model, [x])
+    torch.testing.assert_close(got, torch.relu(x) * 2)
