@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime import direct_export, lowering, schemas
+from graphopt.backends.onnxruntime import direct_export, lowering, onnx_cleanup, schemas
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.translations import translation_table
 
@@ -204,10 +204,10 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
 
     ``sizes_from`` {input index: (tensor input index, axis)}: non-tensor inputs to compute
     from a tensor input's size instead of baking in their example value. ``rewrite=False``
-    skips onnxscript's pattern rewrites (``light_cleanup`` folds constants instead): on a
+    skips onnxscript's pattern rewrites (``onnx_cleanup.light_cleanup`` folds constants instead): on a
     30-layer model they took half of the ONNX export, for rewrites ORT's own session
     optimizer also makes. Without them the constant folding runs ONNX's type inference, so
-    each value's dtype is what its node computes (``_match_output_dtypes`` casts by it:
+    each value's dtype is what its node computes (``onnx_cleanup.match_output_dtypes`` casts by it:
     native_layer_norm's float32 mean), unless ``infer_types=False``: the in-place decoder's
     layout tidy-up reads the trace's axis names, which inference replaces.
 
@@ -294,89 +294,13 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
 
         tidy_attention_layout(model)
     if not rewrite:
-        light_cleanup(model, infer_types)
-    _trim_unused_outputs(model)
-    _match_output_dtypes(model, output_dtypes)
+        onnx_cleanup.light_cleanup(model, infer_types)
+    onnx_cleanup.trim_unused_outputs(model)
+    onnx_cleanup.match_output_dtypes(model, output_dtypes)
     if names:
-        _name_dynamic_axes(model, names)
+        onnx_cleanup.name_dynamic_axes(model, names)
     return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
                      list(output_plan), cached, route)
-
-
-def light_cleanup(model, infer_types: bool = True) -> None:
-    """onnxscript's optimizer without its pattern rewrites: constants folded (with ONNX's
-    type inference when ``infer_types``) and lifted, unused nodes and duplicate initializers
-    dropped, common subexpressions merged."""
-    import onnx_ir as ir
-    import onnx_ir.passes.common as common
-    from onnxscript.optimizer import fold_constants
-
-    common.InlinePass()(model)
-    fold_constants(model, onnx_shape_inference=infer_types)
-    ir.passes.PassManager([
-        common.RemoveUnusedNodesPass(), common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
-        common.DeduplicateInitializersPass(), common.CommonSubexpressionEliminationPass(), common.OutputFixPass(),
-        common.NameFixPass(),
-    ])(model)
-
-
-def _trim_unused_outputs(model) -> None:
-    """Drop trailing outputs nobody reads from ORT's fused ops.
-
-    The exporter gives a node every output its schema lists, optional ones included; ORT
-    then computes them (Skip*LayerNormalization's statistics, attention's present cache) and
-    cannot even infer the type of some (MultiHeadAttention's ``qk``). Middle outputs stay,
-    since ONNX outputs are positional.
-    """
-    graph_outputs = set(model.graph.outputs)
-    for node in model.graph:
-        if node.domain not in ("com.microsoft",) and node.op_type not in ("SimplifiedLayerNormalization",
-                                                                          "LayerNormalization"):
-            continue
-        keep = len(node.outputs)
-        while keep > 1 and not node.outputs[keep - 1].uses() and node.outputs[keep - 1] not in graph_outputs:
-            keep -= 1
-        if keep < len(node.outputs):
-            node.resize_outputs(keep)
-
-
-def _match_output_dtypes(model, dtypes: Sequence[torch.dtype]) -> None:
-    """Cast each graph output whose ONNX type differs from what the FX graph returns.
-
-    Some of the exporter's ATen translations compute in a wider type than eager returns
-    (``native_layer_norm``'s mean and rstd of a float16 input come back float32; found by
-    ``graphopt fuzz``). The caller was promised eager's dtypes, so the model casts back.
-    """
-    import onnx_ir as ir
-    from onnx_ir.tensor_adapters import from_torch_dtype
-
-    for index, (value, dtype) in enumerate(zip(list(model.graph.outputs), dtypes)):
-        want = from_torch_dtype(dtype)
-        if value.dtype is None or value.dtype == want:
-            continue
-        cast = ir.node("Cast", inputs=[value], attributes={"to": want}, name=f"graphopt_output_cast_{index}")
-        model.graph.append(cast)
-        out = cast.outputs[0]
-        out.dtype, out.shape = want, value.shape
-        out.name, value.name = value.name, f"{value.name}_before_cast"
-        model.graph.outputs[index] = out
-
-
-def _name_dynamic_axes(model, names: Sequence[dict[int, str] | None]) -> None:
-    """Call each dynamic axis by its name (``batch``) instead of the tracer's ``s26``."""
-    import onnx_ir as ir
-
-    renames = {}
-    for value, axes in zip(model.graph.inputs, names):
-        for axis, name in (axes or {}).items():
-            current = value.shape[axis] if value.shape is not None else None
-            if isinstance(current, ir.SymbolicDim) and current.value:
-                renames[current.value] = name
-    values = [*model.graph.inputs, *(out for node in model.graph for out in node.outputs)]
-    for value in values:
-        if value.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames for d in value.shape):
-            value.shape = ir.Shape([renames.get(d.value, d.value) if isinstance(d, ir.SymbolicDim) else d
-                                    for d in value.shape])
 
 
 @contextlib.contextmanager
