@@ -195,13 +195,14 @@ def verify_graph(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.op in ("output",):
             continue
-        if "val" not in node.meta and not _returns_nothing(node):  # runtime asserts return nothing
+        if "val" not in node.meta and not returns_nothing(node):
             raise ValueError(f"node {node.name} ({target_name(node.target)}) has no meta['val']")
         if node.op == "get_attr" and get_constant(node) is None and not hasattr(gm, node.target):
             raise ValueError(f"get_attr {node.name} points at missing attribute {node.target!r}")
 
 
-def _returns_nothing(node: fx.Node) -> bool:
+def returns_nothing(node: fx.Node) -> bool:
+    """An op whose schema returns nothing (a runtime assert): it has no value to carry."""
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and not schema.returns
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from graphopt import ir
+
 # torch.onnx.export's rule, kept so that both routes write the same model: the opset asked
 # for (20 when none is), translated with torchlib's functions for it (never below 18), then
 # converted to it.
@@ -127,7 +129,7 @@ def _check(gm: fx.GraphModule, reg, dynamic: bool) -> None:
         if node.op == "call_module":
             raise NotDirect(f"{node.name} calls a submodule")
         val = node.meta.get("val")
-        if val is None and not _returns_nothing(node):
+        if val is None and not ir.returns_nothing(node):
             raise NotDirect(f"{node.name} has no fake value")
         if not dynamic and _has_symbolic_size(val):
             raise NotDirect(f"{node.name} has a symbolic size in a static export")
@@ -238,20 +240,12 @@ def _no_new_guards(gm: fx.GraphModule):
     only decides dtypes, which no size changes; the answers about strides it gets are
     discarded with the fake values ONNX has no use for.
     """
-    from torch._guards import detect_fake_mode
-
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-    shape_env = getattr(fake_mode, "shape_env", None)
+    shape_env = getattr(ir.fake_mode_of(gm), "shape_env", None)
     return shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()
 
 
 def _first_non_placeholder(graph: fx.Graph) -> fx.Node:
     return next(n for n in graph.nodes if n.op != "placeholder")
-
-
-def _returns_nothing(node: fx.Node) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return node.op == "call_function" and schema is not None and not schema.returns
 
 
 def _has_symbolic_size(val: Any) -> bool:
