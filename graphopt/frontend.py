@@ -33,7 +33,7 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt import ir
+from graphopt import dynamo_reuse, ir
 from graphopt.compiler import compile_graph
 from graphopt.config import Options
 from graphopt.dynamic_floats import (dynamic_float_inputs, dynamic_float_readers, name_dynamic_floats,
@@ -92,9 +92,16 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
 
         return run_without_weights
 
+    served = dynamo_reuse.serve(gm, real_inputs, config)  # dynamo's retrace of a graph already compiled
+    if served is not None:
+        return served
     try:
+        before = len(reports())
         with torch.no_grad():  # inference graphs: no joint forward/backward trace
-            return aot_module_simplified(gm, real_inputs, fw_compiler=fw_compiler)
+            compiled = aot_module_simplified(gm, real_inputs, fw_compiler=fw_compiler)
+        made = reports()[before:]
+        dynamo_reuse.remember(gm, real_inputs, compiled, config, made[0] if made else None)
+        return compiled
     except (GraphoptError, RestartAnalysis):
         raise  # user errors, and dynamo's own control flow (it retraces and calls us again)
     except Exception as error:

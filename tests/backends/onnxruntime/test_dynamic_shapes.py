@@ -79,9 +79,17 @@ def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions
     assert graphopt.reports()[1].to_dict()["recompile_reason"] in line
 
 
-def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessions_run, exported):
+@pytest.mark.parametrize("level", ["dynamo", "session"])
+def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessions_run, exported, monkeypatch,
+                                                                          level):
     """Dynamo's third graph (batch fixed at 1 after a dynamic batch) is the dynamic graph with
-    s0 = 1: it is served by that graph's session, with a note and no build (reuse.py)."""
+    s0 = 1: it runs on that graph's session, with a note and no build. First the dynamo graph
+    is matched (graphopt/dynamo_reuse.py: no AOT trace, no passes); where that declines, the
+    ATen graph after the passes (reuse.py: no export)."""
+    from graphopt import dynamo_reuse
+
+    if level == "session":
+        monkeypatch.setattr(dynamo_reuse, "serve", lambda *args: None)
     model = models.build("llama-tiny")
     compiled = compile_fresh(model)
     calls = ((2, 5), (4, 7), (1, 9), (1, 6))
@@ -90,7 +98,7 @@ def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessio
     reports = graphopt.reports()
     assert len(reports) == 3 and len(builds()) == 2 and len(exported) == 2
     assert not reports[2].builds
-    (note,) = [n for n in reports[2].notes if "no export" in n]
+    (note,) = [n for n in reports[2].notes if ("served by graph 1" if level == "dynamo" else "no export") in n]
     assert "= 1" in note
     assert len(set(map(id, sessions_run[1:]))) == 1  # calls 2-4: the dynamic graph's session
 
