@@ -78,6 +78,14 @@ def remember(gm: fx.GraphModule, example_inputs: Sequence[Any], compiled: Callab
 
 def serve(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> Callable | None:
     """A callable for ``gm`` that runs earlier compiled code, or None (compile as usual)."""
+    try:
+        return _serve(gm, example_inputs, config)
+    except Exception:  # the proof is an optimisation: a graph it cannot read compiles as before
+        log.debug("graphopt: could not compare this graph with earlier dynamic ones", exc_info=True)
+        return None
+
+
+def _serve(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> Callable | None:
     _compiled[:] = [ref for ref in _compiled if ref() is not None]
     if not _compiled or len(_placeholders(gm)) != len(example_inputs):
         return None
