@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from graphopt.graph_instance import describe, instance_of  # noqa: F401  (describe: the target's note)
+from graphopt.graph_instance import instance_of
 from graphopt.graph_instance import shape as graph_shape
 
 log = logging.getLogger("graphopt")

@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from graphopt import graph_instance
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
@@ -203,7 +204,7 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
     run = _runner(gm, earlier.model, earlier.session, SessionRunner(earlier.session, None), placeholders, plan,
                   output_plan, bound=bound, release=arena)
     run.graphopt_reusable = earlier  # this callable keeps the session alive too
-    message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {reuse.describe(binding)} "
+    message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {graph_instance.describe(binding)} "
                "(dynamo's recompile), and that graph's session serves it")
     log.info("graphopt: %s", message)
     run.graphopt_notes = [message]

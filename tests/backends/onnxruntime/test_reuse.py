@@ -1,12 +1,13 @@
-"""reuse.instance_of: a graph is served by an earlier dynamic graph's session only when it is
-that graph with its symbols bound to its own sizes; any other difference means a new export."""
+"""graph_instance.instance_of, as the onnxruntime target's session reuse uses it: a graph is
+served by an earlier dynamic graph's session only when it is that graph with its symbols
+bound to its own sizes; any other difference means a new export."""
 
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphopt.backends.onnxruntime.reuse import describe, instance_of
+from graphopt.graph_instance import describe, instance_of
 
 
 def traced(fn, *inputs, symbolic: bool):
