@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime import direct_export, lowering, onnx_cleanup, schemas
+from graphopt.backends.onnxruntime import direct_export, lowering, matmul_reshapes, onnx_cleanup, schemas
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.translations import translation_table
 
@@ -293,6 +293,7 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
         from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout
 
         tidy_attention_layout(model)
+    matmul_reshapes.fold_flattened_matmuls(model)
     if not rewrite:
         onnx_cleanup.light_cleanup(model, infer_types)
     onnx_cleanup.trim_unused_outputs(model)
