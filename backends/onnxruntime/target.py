@@ -34,6 +34,7 @@ import torch.fx as fx
 from graphopt import graph_instance
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
+from graphopt.backends.onnxruntime.heap_trim import release_free_heap
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
@@ -219,7 +220,7 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
     leaves the arena as it is: shrinking after every run made each one fault its memory back
     in (llama-small at 4x512: 125k page faults, 3.24 against 2.97 s a call), while a shape
     that keeps coming back is worth the memory it keeps (about 420 MB at 4x512) until the
-    next shape releases it."""
+    next shape releases it. After a shrink the C heap's free pages go back too (``heap_trim.py``)."""
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
     outputs_plan = model.output_plan if output_plan is None else output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
@@ -238,6 +239,8 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
         into = bound.allocate(positions, args) if positions is not None and runner.takes_numpy(tensors) else None
         # Outputs the arena allocated would pin their regions through the shrink: bind ours.
         outputs = runner.run_into(tensors, into, options) if into is not None else runner(*tensors, run_options=options)
+        if options is not None:  # the arena shrank into glibc's heap: hand its free pages back too
+            release_free_heap()
         sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
         result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
                   for p in outputs_plan]

@@ -10,6 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphopt
 from graphopt import models
 from graphopt.backends.onnxruntime import session as session_module
+from graphopt.backends.onnxruntime import target as target_module
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs
 from graphopt.backends.onnxruntime.signatures import SizePlan
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
@@ -127,9 +128,12 @@ def test_output_sizes_follow_the_input_sizes():
     assert a.shape == (8, 4) and b.shape == () and a.dtype == torch.float32
 
 
-def test_a_repeated_shape_keeps_the_arena_until_the_shape_changes(runs):
+def test_a_repeated_shape_keeps_the_arena_until_the_shape_changes(runs, monkeypatch):
     """Shrinking after a run that repeats the previous run's shapes would make every call
-    fault its memory back in; the arena is released at the next new shape instead."""
+    fault its memory back in; the arena is released at the next new shape instead, and the C
+    heap's free pages with it."""
+    trims_after = []
+    monkeypatch.setattr(target_module, "release_free_heap", lambda: trims_after.append(len(runs) - 1))
     model = models.build("llama-tiny")
     compiled = compile_fresh(model, dynamic=True)
     with torch.no_grad():
@@ -137,4 +141,36 @@ def test_a_repeated_shape_keeps_the_arena_until_the_shape_changes(runs):
             (ids,) = models.example_inputs(model, batch=batch, seq_len=seq, seed=seq)
             assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)
     assert [shrinks(options) for _, options, _ in runs] == [True, False, False, True, True]
+    assert trims_after == [0, 3, 4]
     assert all(outputs is not None for _, _, outputs in runs)  # bound either way
+
+
+def test_release_free_heap_returns_free_chunks_below_a_live_one():
+    """glibc keeps free chunks below a live one resident; the trim hands them back."""
+    import ctypes
+
+    from graphopt.backends.onnxruntime import heap_trim
+
+    if heap_trim._malloc_trim() is None:
+        pytest.skip("no glibc malloc_trim in this C library")
+    libc = ctypes.CDLL(None)
+    libc.malloc.argtypes, libc.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    chunk, count = 64 * 1024, 1600  # under glibc's mmap threshold: they come from the heap
+    blocks = [libc.malloc(chunk) for _ in range(count)]
+    for block in blocks:
+        ctypes.memset(block, 1, chunk)
+    for block in blocks[:-1]:  # the last one pins the heap's top, so free() alone releases nothing
+        libc.free(block)
+    before = _resident_bytes()
+    assert heap_trim.release_free_heap()
+    released = before - _resident_bytes()
+    libc.free(blocks[-1])
+    assert released > chunk * count // 2, released
+
+
+def _resident_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
