@@ -6,7 +6,9 @@ of its heap alone, so the free chunks below a live one stay resident. On llama-s
 calls at twelve shapes left 150-400 MB of such free memory: resident memory after the 12th
 call was 1.05-1.13x that after the 2nd between runs, and ``malloc_trim`` brought it back to
 1.00x (``benchmarks/dynamic_shapes.py``). A trim costs 0.4-11 ms there, so it runs only after
-the runs that shrink (a new shape), never after a repeated one.
+the runs that shrink (a new shape), never after a repeated one. It also runs after each build
+(the export runs in a thread of its own, whose glibc arena keeps what the export freed: 100-170
+MB per llama-small build) and after a dynamic session takes over a static one (``reuse.py``).
 
 ``malloc_trim`` is glibc's; where the C library is another (musl) or cannot be loaded this is
 a no-op.

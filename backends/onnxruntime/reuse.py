@@ -13,6 +13,12 @@ any reuse (``graphopt/graph_instance.py`` says how).
 
 Anything that does not match exports as usual; a match records a note in the report, not a
 build. Entries live as long as the compiled callable that owns the session.
+
+The same proof runs the other way when a dynamic graph arrives: a graph compiled before it may
+be its instance (dynamo's first graph, static; with ``dynamic=True`` the first graph, whose
+batch of 1 stayed static). That graph's session (another copy of every weight, plus its
+arena: 600 MB on llama-small) is then released and its callable runs on the new session
+(``Retirable``), so a model keeps one session, whatever order its shapes came in.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch.fx as fx
 
@@ -44,21 +50,75 @@ class Earlier:
 _earlier: list[weakref.ref] = []
 
 
-def remember(gm: fx.GraphModule, model: Any, session: Any, provider: str, owner: Any) -> None:
+def remember(gm: fx.GraphModule, model: Any, session: Any, provider: str, owner: Any) -> Earlier:
     """Keep ``gm``'s session for later instances, as long as ``owner`` (its callable) lives."""
     entry = Earlier(gm, model, session, provider, graph_shape(gm))
     owner.graphopt_reusable = entry  # the callable holds the entry; the list only a weak ref
     _earlier.append(weakref.ref(entry))
+    return entry
 
 
-def find(gm: fx.GraphModule, provider: str) -> tuple[Earlier, dict] | None:
-    """The earlier dynamic graph ``gm`` is an instance of, with the binding of its symbols."""
+def find(gm: fx.GraphModule, provider: str, only: Earlier | None = None) -> tuple[Earlier, dict] | None:
+    """The earlier dynamic graph ``gm`` is an instance of (the newest, or ``only``), with the
+    binding of its symbols."""
     _earlier[:] = [ref for ref in _earlier if ref() is not None]
     shape = graph_shape(gm)
-    for ref in reversed(_earlier):
+    for ref in [weakref.ref(only)] if only is not None else reversed(_earlier):
         entry = ref()
         if entry is not None and entry.provider == provider and entry.shape == shape:
             binding = instance_of(entry.gm, gm)
             if binding is not None:
                 return entry, binding
     return None
+
+
+class Retirable:
+    """A compiled graph's callable whose session a later dynamic graph's session may replace.
+
+    ``report`` is the static graph's, which gets a note when that happens."""
+
+    def __init__(self, gm: fx.GraphModule, provider: str, run: Callable, report: Any) -> None:
+        self.gm, self.provider, self.run, self.report = gm, provider, run, report
+        self.shape = graph_shape(gm)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.run(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        """The runner's own attributes (``session``, ``onnx_model``, ``graphopt_notes``)."""
+        if name == "run":  # not set yet: no runner to ask
+            raise AttributeError(name)
+        return getattr(self.run, name)
+
+
+_compiled: list[weakref.ref] = []
+
+
+def retirable(gm: fx.GraphModule, provider: str, run: Callable, report: Any) -> Retirable:
+    """``run`` wrapped so that a later dynamic graph it is an instance of can take it over."""
+    wrapped = Retirable(gm, provider, run, report)
+    _compiled.append(weakref.ref(wrapped))
+    return wrapped
+
+
+def retire_instances(provider: str, serve: Callable[[fx.GraphModule], Callable | None]) -> int:
+    """Point every live compiled callable that ``serve`` can run on another session at that
+    session, dropping its own; returns how many. ``serve(gm)`` is the target's own reuse
+    against the new dynamic graph (the callable, or None when ``gm`` is not its instance)."""
+    _compiled[:] = [ref for ref in _compiled if ref() is not None]
+    retired = 0
+    for ref in list(_compiled):
+        earlier = ref()
+        if earlier is None or earlier.provider != provider:
+            continue
+        served = serve(earlier.gm)
+        if served is None:
+            continue
+        earlier.run = served  # the old runner, and with it the session, has no other owner
+        note = ("onnxruntime: a dynamic graph compiled later has this graph as an instance, so its "
+                "session serves this graph too; the session this graph ran on before was released")
+        log.info("graphopt: %s", note)
+        if earlier.report is not None:
+            earlier.report.notes.append(note)
+        retired += 1
+    return retired

@@ -68,11 +68,12 @@ class OnnxRuntimeTarget:
             return partition.compile_partitioned(self, gm, example_inputs, config)
         reused = _serve_from_earlier(gm, config.provider)
         if reused is not None:
-            return reused
+            log.info("graphopt: %s", reused.graphopt_notes[0])
+            return _retirable(gm, config.provider, reused)
         if not _has_symbolic_shapes(gm):
             inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
             if inputs is not None:
-                return _compile_static(gm, inputs, config.provider)
+                return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
             return _per_signature(gm, config.provider, "its inputs carry no example values")
         return _compile_symbolic(gm, config.provider)
 
@@ -125,7 +126,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     exported = time.perf_counter()
     session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     done = time.perf_counter()
-    _return_freed_memory()
+    release_free_heap()  # the export ran in its own thread, whose glibc arena keeps what it freed
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
     if report is not None:
         report.record_build("onnxruntime session", shapes, dims, done - start,
@@ -139,21 +140,6 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, rep
 
     model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
     return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
-
-
-def _return_freed_memory() -> None:
-    """Give the export's freed buffers back to the OS (glibc only; elsewhere nothing).
-
-    The export runs in its own thread, so glibc serves it from a separate heap arena, and
-    what it frees there (the serialized model, transposed weight copies) stays mapped: about
-    100-170 MB per llama-small build that no one uses again.
-    """
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
@@ -176,15 +162,25 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
         return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
     run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
                   release=bound is not None)
-    reuse.remember(gm, model, session, provider, owner=run)
-    return run
+    entry = reuse.remember(gm, model, session, provider, owner=run)
+    # Graphs compiled before this one that are its instances move onto this session.
+    if reuse.retire_instances(provider, lambda earlier_gm: _serve_from_earlier(earlier_gm, provider, only=entry)):
+        release_free_heap()  # the retired sessions' weights and arenas
+    return _retirable(gm, provider, run)
 
 
-def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
-    """``gm`` run on the session of an earlier dynamic graph it is an instance of, or None."""
+def _retirable(gm: fx.GraphModule, provider: str, run: Callable) -> Callable:
+    from graphopt import report as reports
+
+    return reuse.retirable(gm, provider, run, reports.current_report())
+
+
+def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier | None = None) -> Callable | None:
+    """``gm`` run on the session of an earlier dynamic graph it is an instance of (``only``
+    that one, when given), or None."""
     from graphopt.backends.onnxruntime.session import SessionRunner
 
-    found = reuse.find(gm, provider)
+    found = reuse.find(gm, provider, only=only)
     if found is None:
         return None
     earlier, binding = found
@@ -207,7 +203,6 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str) -> Callable | None:
     run.graphopt_reusable = earlier  # this callable keeps the session alive too
     message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {graph_instance.describe(binding)} "
                "(dynamo's recompile), and that graph's session serves it")
-    log.info("graphopt: %s", message)
     run.graphopt_notes = [message]
     return run
 

