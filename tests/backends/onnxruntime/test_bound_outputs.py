@@ -175,3 +175,28 @@ def _resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+
+def _mapping_of(address: int) -> tuple[int, int] | None:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return start, end
+    return None
+
+
+def test_a_large_output_has_a_mapping_of_its_own_that_goes_with_it():
+    """Freed, a large output's pages leave the process at once (no heap chunk left resident)."""
+    from graphopt.backends.onnxruntime.bound_outputs import OWN_MAPPING_BYTES, empty_output
+
+    rows = OWN_MAPPING_BYTES // (4 * 64) * 3
+    out = empty_output((rows, 64), torch.float32)
+    assert out.shape == (rows, 64) and out.dtype == torch.float32 and out.is_contiguous() and out._base is None
+    out.fill_(2.0)
+    assert float(out.sum()) == 2.0 * rows * 64
+    mapping = _mapping_of(out.data_ptr())
+    assert mapping is not None and mapping[1] - mapping[0] == -(-rows * 64 * 4 // 4096) * 4096
+    del out
+    assert _mapping_of(mapping[0]) != mapping
+    small = empty_output((3, 4), torch.int64)
+    assert small.shape == (3, 4) and small.dtype == torch.int64
