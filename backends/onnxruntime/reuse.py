@@ -75,11 +75,10 @@ def find(gm: fx.GraphModule, provider: str, only: Earlier | None = None) -> tupl
 class Retirable:
     """A compiled graph's callable whose session a later dynamic graph's session may replace.
 
-    ``report`` is the static graph's, which gets a note when that happens."""
+    ``report`` is the graph's own, which gets a note when that happens."""
 
     def __init__(self, gm: fx.GraphModule, provider: str, run: Callable, report: Any) -> None:
         self.gm, self.provider, self.run, self.report = gm, provider, run, report
-        self.shape = graph_shape(gm)
 
     def __call__(self, *args: Any) -> Any:
         return self.run(*args)
