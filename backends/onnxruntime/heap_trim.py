@@ -6,7 +6,8 @@ of its heap alone, so the free chunks below a live one stay resident. On llama-s
 calls at twelve shapes left 150-400 MB of such free memory: resident memory after the 12th
 call was 1.05-1.13x that after the 2nd between runs, and ``malloc_trim`` brought it back to
 1.00x (``benchmarks/dynamic_shapes.py``). A trim costs 0.4-11 ms there, so it runs only after
-the runs that shrink (a new shape), never after a repeated one. It also runs after each build
+the runs that shrink (a new shape), never after a repeated one, and only after runs of 50 ms or
+more (``release_after_run``). It also runs after each build
 (the export runs in a thread of its own, whose glibc arena keeps what the export freed: 100-170
 MB per llama-small build) and after a dynamic session takes over a static one (``reuse.py``).
 
@@ -37,3 +38,15 @@ def release_free_heap() -> bool:
     """Return the heap's free pages to the OS; whether anything was released."""
     trim = _malloc_trim()
     return bool(trim(0)) if trim is not None else False
+
+
+# A trim costs about 0.4 ms even with little to free: 2% of a llama-small decode step (19 ms)
+# through torch.compile, where every step is a new shape. After a run of 50 ms it is under 1%,
+# and a run shorter than that leaves little behind for glibc to keep.
+WORTH_IT_AFTER_S = 0.05
+
+
+def release_after_run(run_seconds: float) -> bool:
+    """``release_free_heap`` after a run that shrank the arena, if the run took long enough
+    to have left memory worth a trim (``WORTH_IT_AFTER_S``)."""
+    return release_free_heap() if run_seconds >= WORTH_IT_AFTER_S else False

@@ -34,7 +34,7 @@ import torch.fx as fx
 from graphopt import graph_instance
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
-from graphopt.backends.onnxruntime.heap_trim import release_free_heap
+from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
@@ -233,9 +233,10 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
             previous_shapes[0] = shapes
         into = bound.allocate(positions, args) if positions is not None and runner.takes_numpy(tensors) else None
         # Outputs the arena allocated would pin their regions through the shrink: bind ours.
+        started = time.perf_counter()
         outputs = runner.run_into(tensors, into, options) if into is not None else runner(*tensors, run_options=options)
         if options is not None:  # the arena shrank into glibc's heap: hand its free pages back too
-            release_free_heap()
+            release_after_run(time.perf_counter() - started)
         sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
         result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
                   for p in outputs_plan]
