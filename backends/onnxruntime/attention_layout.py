@@ -53,7 +53,7 @@ def _constant_ints(value) -> list[int] | None:
     return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
 
 
-def _fill_shape(value) -> None:
+def fill_shape(value) -> None:
     """Give ``value`` its shape when a translation made it without one (an export without
     onnxscript's rewrites infers none): a Transpose's from its input's, a Reshape's from its
     input's and a constant target, an Identity's its input's. Input shapes are filled first."""
@@ -62,7 +62,7 @@ def _fill_shape(value) -> None:
     if value is None or value.shape is not None or (node := value.producer()) is None or not node.inputs:
         return
     x = node.inputs[0]
-    _fill_shape(x)
+    fill_shape(x)
     if x is None or x.shape is None or node.domain != "":
         return
     dims = list(x.shape)
@@ -97,7 +97,7 @@ def _bsh_source(value, allow_rope: bool):
     the values from the rope's output to ``value``), or None when the chain holds anything else."""
     from graphopt.backends.onnxruntime.translations._common import dims_equal
 
-    _fill_shape(value)
+    fill_shape(value)
     if value.shape is None or len(value.shape) != 3:
         return None
     current, bnsh, rope, after_rope = value, False, None, [value]
@@ -105,7 +105,7 @@ def _bsh_source(value, allow_rope: bool):
         x = node.inputs[0] if node.inputs else None
         if x is None:
             return None
-        _fill_shape(x)
+        fill_shape(x)
         if node.domain == "" and (node.op_type == "Identity" or node.op_type == "Slice" and x.shape is not None
                                   and x.shape == current.shape):
             pass  # a Slice that keeps its input's shape keeps all of it

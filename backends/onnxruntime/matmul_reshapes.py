@@ -15,7 +15,7 @@ Shapes come from the export's metadata, so a value without one is left as it is.
 
 from __future__ import annotations
 
-from graphopt.backends.onnxruntime.attention_layout import MS_DOMAIN, _fill_shape
+from graphopt.backends.onnxruntime.attention_layout import MS_DOMAIN, fill_shape
 
 
 def _rank(value) -> int | None:
@@ -35,7 +35,7 @@ def _unflattens(flat, x, out) -> bool:
     from graphopt.backends.onnxruntime.translations._common import dims_equal
 
     for value in (flat, x, out):
-        _fill_shape(value)
+        fill_shape(value)
     if _rank(flat) != 2 or _rank(x) is None or _rank(x) < 3 or _rank(out) != _rank(x):
         return False
     return (dims_equal(flat.shape[1], x.shape[-1])
