@@ -64,7 +64,6 @@ and at two threads none is faster at one row.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import statistics
 import time
@@ -154,14 +153,16 @@ def rss_bytes() -> int:
 def session(proto: onnx.ModelProto, threads: int):
     import onnxruntime as ort
 
+    from graphopt.backends.onnxruntime.heap_trim import release_free_heap
+
     data = proto.SerializeToString()
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # so that ``before`` holds no freed temporaries
+    release_free_heap()  # so that ``before`` holds no freed temporaries
     before = rss_bytes()
     sess = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what the build freed (the parsed model's copy)
+    release_free_heap()  # hand back what the build freed (the parsed model's copy)
     grown = rss_bytes() - before
     del data  # after measuring: it was counted in ``before``
     return sess, grown

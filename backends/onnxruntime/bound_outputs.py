@@ -56,7 +56,7 @@ def empty_output(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     heap they need not: a chunk freed below a live one stays resident until a trim, and the
     caller frees our outputs after the run, where no trim follows. llama-small's twelve
     shapes left up to 300 MB resident that way after the 4x512 call (1.15x the memory after
-    call 2, against 1.01-1.03x with outputs in their own mappings; same call times). The
+    call 2, against 1.014x with outputs in their own mappings; same call times). The
     mapping lives as long as the tensor's storage."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize

@@ -2,14 +2,17 @@
 
 A dynamic session shrinks its arena after a run at new shapes (``bound_outputs.py``), but that
 only frees the arena's blocks into glibc's heap. glibc returns memory to the OS from the top
-of its heap alone, so the free chunks below a live one stay resident. On llama-small, twelve
-calls at twelve shapes left 150-400 MB of such free memory: resident memory after the 12th
-call was 1.05-1.13x that after the 2nd between runs, and ``malloc_trim`` brought it back to
-1.00x (``benchmarks/dynamic_shapes.py``). A trim costs 0.4-11 ms there, so it runs only after
-the runs that shrink (a new shape), never after a repeated one, and only after runs of 50 ms or
-more (``release_after_run``). It also runs after each build
-(the export runs in a thread of its own, whose glibc arena keeps what the export freed: 100-170
-MB per llama-small build) and after a dynamic session takes over a static one (``reuse.py``).
+of its heap alone, so free chunks below a live one stay resident. On llama-small, twelve calls
+at twelve shapes ended with 150-400 MB of such free memory, and resident memory after the 12th
+call was 1.05-1.13x that after the 2nd. A trim inside the run reaches what the arena freed;
+what the caller frees later (the outputs) is kept out of the heap by ``bound_outputs.empty_output``.
+Together: 1.014x in every run since (``benchmarks/dynamic_shapes.py``).
+
+A trim costs 0.4-11 ms, so it runs only after the runs that shrink (a new shape), never after
+a repeated one, and only after runs of 50 ms or more (``release_after_run``). It also runs
+after each build (the export runs in a thread of its own, whose glibc arena keeps what the
+export freed: 100-170 MB per llama-small build) and after a dynamic session takes over
+another graph's (``reuse.py``).
 
 ``malloc_trim`` is glibc's; where the C library is another (musl) or cannot be loaded this is
 a no-op.
