@@ -49,6 +49,13 @@ def op_counts(gm: fx.GraphModule) -> dict[str, int]:
     return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
+def is_symbolic_size(size: Any) -> bool:
+    """Whether ``size`` is a SymInt whose value can change between calls. A symbol that a
+    guard has pinned to a number (dynamo's ``s35`` for an int argument it later specialised
+    to 1) is a constant: its expression is that number, although the node is still symbolic."""
+    return isinstance(size, torch.SymInt) and not size.node.is_constant() and not size.node.expr.is_number
+
+
 def node_count(gm: fx.GraphModule) -> int:
     return len(gm.graph.nodes)
 

@@ -202,7 +202,7 @@ def _tensor_outputs(graph: fx.Graph) -> tuple[list[Any], list[fx.Node]]:
         if isinstance(val, torch.Tensor):
             plan.append(len(kept))
             kept.append(value)
-        elif isinstance(val, torch.SymInt) and not val.node.is_constant():
+        elif ir.is_symbolic_size(val):
             plan.append(("sym", position))
         else:
             plan.append(("const", int(val) if isinstance(val, torch.SymInt) else val))

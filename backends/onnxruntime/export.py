@@ -35,6 +35,7 @@ import torch.fx as fx
 from graphopt.backends.onnxruntime import direct_export, lowering, matmul_reshapes, onnx_cleanup, schemas
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.translations import translation_table
+from graphopt.ir import is_symbolic_size
 
 # Protobuf cannot serialize more than 2 GiB in one message: larger models keep weights outside.
 LARGE_MODEL_BYTES = 2**31 - 2**26
@@ -151,7 +152,7 @@ class _TensorsOnly(torch.nn.Module):
             if isinstance(value, torch.Tensor):
                 plan.append(len(kept))
                 kept.append(value)
-            elif isinstance(value, torch.SymInt) and not value.node.is_constant():
+            elif is_symbolic_size(value):
                 plan.append(("sym", position))  # int() here would pin the export to this size
             else:
                 plan.append(("const", int(value) if isinstance(value, torch.SymInt) else value))
@@ -186,7 +187,7 @@ def _dynamic_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
         spec = {}
         if isinstance(val, torch.Tensor):
             for axis, size in enumerate(val.shape):
-                if isinstance(size, torch.SymInt) and not size.node.is_constant():
+                if is_symbolic_size(size):
                     symbol = str(size.node.expr)
                     name = names.get(axis) or (symbol if symbol.isidentifier() else f"dim_{len(dims)}")
                     spec[axis] = dims.setdefault(name, torch.export.Dim(name))

@@ -19,9 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-
-def _symbolic(size: Any) -> bool:
-    return isinstance(size, torch.SymInt) and not size.node.is_constant()
+from graphopt.ir import is_symbolic_size
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -46,7 +44,7 @@ class SizePlan:
             val = node.meta.get("val")
             if isinstance(val, torch.Tensor):
                 for axis, size in enumerate(val.shape):
-                    if _symbolic(size):
+                    if is_symbolic_size(size):
                         axis_of.setdefault(size.node.expr, (index, axis))
                         if size.node.expr.is_Symbol:
                             plan.sources.setdefault(size.node.expr, (index, axis))
@@ -54,7 +52,7 @@ class SizePlan:
             val = node.meta.get("val")
             if isinstance(val, (torch.SymFloat, torch.SymBool)):
                 plan.problem = f"input {node.name} is a symbolic {type(val).__name__}, which no tensor's size gives"
-            elif _symbolic(val):
+            elif is_symbolic_size(val):
                 expr = val.node.expr
                 if expr not in axis_of:
                     plan.problem = f"the SymInt input {node.name} = {expr} is not the size of any tensor input axis"
@@ -66,7 +64,7 @@ class SizePlan:
         outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
         for position, out in enumerate(outputs):
             val = out.meta.get("val") if isinstance(out, fx.Node) else None
-            if _symbolic(val):
+            if is_symbolic_size(val):
                 missing = [s for s in val.node.expr.free_symbols if s not in plan.sources]
                 if missing:
                     plan.problem = f"the SymInt output {out.name} = {val.node.expr} depends on no input size"
@@ -119,7 +117,7 @@ def shapes_of(gm: fx.GraphModule, example_inputs: Sequence[Any] | None = None) -
         val = node.meta.get("val")
         if not isinstance(val, torch.Tensor):
             continue
-        shape = [str(s.node.expr) if _symbolic(s) else int(s) for s in val.shape]
+        shape = [str(s.node.expr) if is_symbolic_size(s) else int(s) for s in val.shape]
         shapes.append(shape)
         names.extend(s for s in shape if isinstance(s, str) and s not in names)
     return shapes, names

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import graph_instance
+from graphopt.ir import is_symbolic_size
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
@@ -83,8 +84,7 @@ def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
         if node.op != "placeholder":
             continue
         val = node.meta.get("val")
-        if isinstance(val, torch.SymInt) or (isinstance(val, torch.Tensor) and any(
-                isinstance(s, torch.SymInt) and not s.node.is_constant() for s in val.shape)):
+        if is_symbolic_size(val) or (isinstance(val, torch.Tensor) and any(map(is_symbolic_size, val.shape))):
             return True
     return False
 

@@ -1,0 +1,60 @@
+"""transformers' own ``model.generate`` with its forward compiled by graphopt: the path most
+users of a Hugging Face model try first. Greedy tokens equal eager's, and the decode graphs
+are served from dynamic sessions, not exported once per cache length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import graphopt
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+NEW = 6
+PROMPTS = (5, 9)  # two lengths: the second generate() must not export again per length
+PER_SHAPE = "one static export per input shape"
+
+
+@pytest.fixture(scope="module")
+def hf_llama():
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def generate_all(model) -> list[torch.Tensor]:
+    out = []
+    with torch.no_grad():
+        for length in PROMPTS:
+            ids = torch.randint(0, 256, (1, length), generator=torch.Generator().manual_seed(length))
+            out.append(model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False))
+    return out
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_model_generate_through_torch_compile_matches_eager(hf_llama, dynamic):
+    expected = generate_all(hf_llama)
+    torch._dynamo.reset()
+    graphopt.reset()
+    eager_forward = hf_llama.forward
+    hf_llama.forward = torch.compile(eager_forward, backend="graphopt", dynamic=dynamic,
+                                     options={"target": "onnxruntime", "fallback": "error"})
+    try:
+        got = generate_all(hf_llama)
+    finally:
+        hf_llama.forward = eager_forward
+    for want, have in zip(expected, got):
+        assert torch.equal(want, have)
+    reports = graphopt.reports()
+    assert all(r.target == "onnxruntime" for r in reports), [r.target for r in reports]
+    # HF passes logits_to_keep=1, an int dynamo makes a symbol and then pins to 1: that is
+    # a constant, not a reason to export the decode graph once per cache length.
+    assert not [n for r in reports for n in r.notes if PER_SHAPE in n]
+    builds = [b for r in reports for b in r.builds]
+    if dynamic:  # the prefill and the decode step, each dynamic from the start
+        assert len(builds) == 2 and all(b["dynamic_dims"] for b in builds), builds
+    else:  # dynamo's default adds the static first prefill and first decode step
+        assert len(builds) <= 4, builds
