@@ -80,3 +80,29 @@ def test_a_pass_that_adds_a_guard_is_named_in_the_report():
     notes = [n for r in reports for n in r.notes if "specialised" in n]
     assert notes and "test_shape_guards.py" in notes[0], notes
     assert len(reports) >= 2, "the guard it added made batch 1 recompile"
+
+
+class SpecialisesOnBothAxes(SpecialisesOnBatch):
+    """Planted: two guards on one graph, as a decoder's layers add one each. Every call's
+    length passes both, so one compile serves them all."""
+
+    name = "test_specialises_on_both_axes"
+
+    def run(self, gm: fx.GraphModule, ctx) -> PassResult:
+        for node in gm.graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.dim() == 2:
+                bool(value.shape[1] > 3)
+                bool(value.shape[1] < 100)
+        return PassResult(gm, modified=False, stats={"matches": 0})
+
+
+def test_many_added_guards_are_one_log_line_and_each_a_note(caplog):
+    planted = SpecialisesOnBothAxes()
+    with graphopt.scoped_passes(planted), caplog.at_level("WARNING", logger="graphopt"):
+        _, _, reports = compile_and_call(models.build("llama-tiny"), "eager", pipeline=[planted.name])
+    assert len(reports) == 1, "every length passes both guards"
+    notes = [n for n in reports[0].notes if "specialised" in n]
+    assert len(notes) == 2 and all("test_shape_guards.py" in n for n in notes), reports[0].notes
+    lines = [r.getMessage() for r in caplog.records if "specialised" in r.getMessage()]
+    assert len(lines) == 1 and "2 size relations" in lines[0] and "test_shape_guards.py" in lines[0], lines
