@@ -297,6 +297,13 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
     matmul_reshapes.fold_flattened_matmuls(model)
     if not rewrite:
         onnx_cleanup.light_cleanup(model, infer_types)
+    if tidy_attention:
+        # Again, now that constants are folded: transformers' graphs build each head split's
+        # Reshape target from Shape/Concat nodes, which only the cleanup turns into the
+        # constants the tidy-up reads (SmolLM2's prefill kept 7 Transposes per layer, its
+        # decode step 4). The first pass matched on the trace's axis names, which the
+        # cleanup's type inference renames, so each pass finds what the other cannot.
+        tidy_attention_layout(model)
     onnx_cleanup.trim_unused_outputs(model)
     onnx_cleanup.match_output_dtypes(model, output_dtypes)
     if names:

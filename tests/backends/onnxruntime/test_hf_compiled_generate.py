@@ -58,3 +58,30 @@ def test_model_generate_through_torch_compile_matches_eager(hf_llama, dynamic):
         assert len(builds) == 2 and all(b["dynamic_dims"] for b in builds), builds
     else:  # dynamo's default adds the static first prefill and first decode step
         assert len(builds) <= 4, builds
+
+
+def test_the_compiled_decode_step_reads_attention_inputs_without_layout_round_trips(hf_llama, monkeypatch):
+    """transformers builds each head split's Reshape target from Shape/Concat nodes: the
+    layout tidy-up runs again once those are folded, so the decode step keeps no Transpose
+    (it kept 4 per layer) and the prefill rotates its query on [B, S, H*D]."""
+    from graphopt.backends.onnxruntime import session
+
+    models = []
+    create = session.create_session
+    monkeypatch.setattr(session, "create_session", lambda model, *a, **k: models.append(model) or create(model, *a, **k))
+    expected = generate_all(hf_llama)
+    torch._dynamo.reset()
+    graphopt.reset()
+    eager_forward = hf_llama.forward
+    hf_llama.forward = torch.compile(eager_forward, backend="graphopt", dynamic=True,
+                                     options={"target": "onnxruntime", "fallback": "error"})
+    try:
+        got = generate_all(hf_llama)
+    finally:
+        hf_llama.forward = eager_forward
+    assert all(torch.equal(w, h) for w, h in zip(expected, got))
+    histograms = [model.op_histogram() for model in models]
+    prefill, decode = sorted(histograms, key=lambda h: h.get("Transpose", 0), reverse=True)
+    assert decode.get("Transpose", 0) == 0, decode
+    # The prefill returns each layer's rotated key as its cache: that Transpose stays.
+    assert prefill.get("Transpose", 0) <= 5 * hf_llama.config.num_hidden_layers, prefill
