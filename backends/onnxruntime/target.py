@@ -32,11 +32,13 @@ import torch
 import torch.fx as fx
 
 from graphopt import graph_instance
-from graphopt.ir import is_symbolic_size
+from graphopt import report as reports
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
+from graphopt.backends.onnxruntime.lazy_build import build_on_second_call
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
+from graphopt.ir import is_symbolic_size
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
 MAX_SPECIALIZATIONS = 8
@@ -73,10 +75,30 @@ class OnnxRuntimeTarget:
             return _retirable(gm, config.provider, reused)
         if not _has_symbolic_shapes(gm):
             inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
-            if inputs is not None:
-                return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
-            return _per_signature(gm, config.provider, "its inputs carry no example values")
+            if inputs is None:
+                return _per_signature(gm, config.provider, "its inputs carry no example values")
+            if config.lazy_recompiles and _recompiled():
+                return _retirable(gm, config.provider, _compile_at_second_call(gm, config.provider))
+            return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
         return _compile_symbolic(gm, config.provider)
+
+
+def _recompiled() -> bool:
+    """Whether dynamo is compiling this graph again after a guard failed (``lazy_build.py``)."""
+    report = reports.current_report()
+    return report is not None and report.recompile_reason is not None
+
+
+def _compile_at_second_call(gm: fx.GraphModule, provider: str) -> Callable:
+    report = reports.current_report()  # gone by the second call: the build is recorded on it
+
+    def build(args: list) -> Callable:
+        # In a fresh thread: a call runs inside aot_autograd's runtime wrapper, whose
+        # thread-local dispatch state breaks the export (as for PerSignature).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            return pool.submit(_compile_static, gm, args, provider, report).result()
+
+    return build_on_second_call(gm, build)
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -107,7 +129,6 @@ def _output_specs(gm: fx.GraphModule) -> list | None:
 def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, dynamic: bool,
                    sizes_from: dict | None = None, report=None, arena: bool | None = None):
     """Export ``gm`` and open its session; record the build on the graph's report."""
-    from graphopt import report as reports
     from graphopt.backends.onnxruntime.export import export_graph
     from graphopt.backends.onnxruntime.session import create_session
 
@@ -170,8 +191,6 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
 
 
 def _retirable(gm: fx.GraphModule, provider: str, run: Callable) -> Callable:
-    from graphopt import report as reports
-
     return reuse.retirable(gm, provider, run, reports.current_report())
 
 
@@ -283,8 +302,6 @@ def _lay_out(tensor: Any, order: list[int]) -> Any:
 
 
 def _per_signature(gm: fx.GraphModule, provider: str, reason: str) -> Callable:
-    from graphopt import report as reports
-
     log.warning("graphopt: onnxruntime exports this graph once per input shape (up to %d kept): %s",
                 MAX_SPECIALIZATIONS, reason)
     fn = PerSignature(gm, lambda g, args, report: _compile_static(g, args, provider, report),

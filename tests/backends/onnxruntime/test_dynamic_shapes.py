@@ -39,10 +39,10 @@ def exported(ort_models):
     return ort_models
 
 
-def compile_fresh(module, **kwargs):
+def compile_fresh(module, options: dict | None = None, **kwargs):
     torch._dynamo.reset()
     graphopt.reset()
-    return torch.compile(module, backend="graphopt", options=OPTIONS, **kwargs)
+    return torch.compile(module, backend="graphopt", options={**OPTIONS, **(options or {})}, **kwargs)
 
 
 def builds() -> list[dict]:
@@ -154,9 +154,10 @@ def test_mark_dynamic_exports_once():
     assert build["shapes"][0][0] == 2 and isinstance(build["shapes"][0][1], str)
 
 
-def test_decode_loop_does_not_export_per_token(exported):
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy_recompiles", "build_at_once"])
+def test_decode_loop_does_not_export_per_token(exported, lazy):
     model = models.build("llama-tiny")
-    compiled = compile_fresh(model)
+    compiled = compile_fresh(model, {"lazy_recompiles": lazy})
     (ids,) = models.example_inputs(model, batch=2, seq_len=6, seed=1)
     counts = []
     with torch.no_grad():
@@ -169,10 +170,14 @@ def test_decode_loop_does_not_export_per_token(exported):
             ref_logits, ref_past = model(token, ref_past)
             assert_matches_eager((logits, past), (ref_logits, ref_past), rel=1e-4)
             counts.append(len(builds()))
-    # prefill, the first decode step, its dynamic recompile at the second; then none per token
-    assert counts[1] == counts[-1] == 3, counts
     (decode,) = [b for b in builds() if b["dynamic_dims"]]
     assert decode["shapes"][0] == [2, 1]  # the new token stays one token: GQA decodes with past
+    if lazy:  # the prefill and the dynamic recompile at the second step; the first step ran on torch
+        assert counts[1] == counts[-1] == 2, counts
+        assert exported[1].cached_attention == 2  # both layers
+        return
+    # prefill, the first decode step, its dynamic recompile at the second; then none per token
+    assert counts[1] == counts[-1] == 3, counts
     prefill, static_step, dynamic_step = exported
     assert dynamic_step.cached_attention == static_step.cached_attention == 2  # both layers
     assert dynamic_step.fused_op_counts() == static_step.fused_op_counts()
