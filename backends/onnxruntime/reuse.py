@@ -100,6 +100,27 @@ def retirable(gm: fx.GraphModule, provider: str, run: Callable, report: Any) -> 
     return wrapped
 
 
+def release_static_instances(gm: fx.GraphModule, provider: str, is_static: Callable[[fx.GraphModule], bool],
+                             stand_in: Callable[[Retirable], Callable]) -> int:
+    """Before ``gm`` (a dynamic graph) is built: every live static compiled graph that is an
+    instance of it gives up its session now and runs ``stand_in(it)`` instead, until
+    ``retire_instances`` points it at ``gm``'s session. The build then adds its copy of the
+    weights after theirs is gone, not on top of it (model.generate's static prefill: one
+    session fewer at the peak). Returns how many."""
+    _compiled[:] = [ref for ref in _compiled if ref() is not None]
+    shape = graph_shape(gm)
+    released = 0
+    for ref in list(_compiled):
+        earlier = ref()
+        if earlier is None or earlier.provider != provider or not is_static(earlier.gm):
+            continue
+        if graph_shape(earlier.gm) != shape or instance_of(gm, earlier.gm) is None:
+            continue
+        earlier.run = stand_in(earlier)
+        released += 1
+    return released
+
+
 def retire_instances(provider: str, serve: Callable[[fx.GraphModule], Callable | None]) -> int:
     """Point every live compiled callable that ``serve`` can run on another session at that
     session, dropping its own; returns how many. ``serve(gm)`` is the target's own reuse

@@ -36,7 +36,7 @@ from graphopt import report as reports
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
-from graphopt.backends.onnxruntime.lazy_build import build_on_second_call
+from graphopt.backends.onnxruntime.lazy_build import BuildOnSecondCall, build_on_second_call
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.ir import is_symbolic_size
 
@@ -176,6 +176,10 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
         return _per_signature(gm, provider, "an input has no fake value to size an example from")
     # With outputs it can bind, the session keeps ORT's arena and shrinks it after each run.
     bound = BoundOutputs.of(gm, plan) if provider == "cpu" else None
+    # Static graphs this one will take over drop their sessions before the build. Should the
+    # build fail, or not take one over after all, that graph builds its own again when called.
+    if reuse.release_static_instances(gm, provider, lambda g: not _has_symbolic_shapes(g), _rebuild_when_called):
+        release_free_heap()
     try:
         model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from,
                                         arena=bound is not None)
@@ -188,6 +192,17 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
     if reuse.retire_instances(provider, lambda earlier_gm: _serve_from_earlier(earlier_gm, provider, only=entry)):
         release_free_heap()  # the retired sessions' weights and arenas
     return _retirable(gm, provider, run)
+
+
+def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
+    """A released static graph's stand-in: it builds the graph's own session at its next call."""
+    gm, provider, report = earlier.gm, earlier.provider, earlier.report
+
+    def build(args: list) -> Callable:
+        with ThreadPoolExecutor(max_workers=1) as pool:  # see _compile_at_second_call
+            return pool.submit(_compile_static, gm, args, provider, report).result()
+
+    return BuildOnSecondCall(None, build)
 
 
 def _retirable(gm: fx.GraphModule, provider: str, run: Callable) -> Callable:

@@ -105,6 +105,32 @@ def test_the_dynamic_recompile_takes_over_the_first_graph_and_releases_its_sessi
     assert not any("released" in n for n in second.notes)
 
 
+def test_the_first_graph_releases_its_session_before_the_dynamic_build(monkeypatch):
+    """The static first graph is an instance of the dynamic recompile: it gives up its session
+    before that build, so the build's copy of the weights is not added on top of it."""
+    import weakref
+
+    from graphopt.backends.onnxruntime import session
+
+    sessions, alive_at_build = [], []
+    create = session.create_session
+
+    def spy(model, *args, **kwargs):
+        alive_at_build.append([ref() is not None for ref in sessions])
+        made = create(model, *args, **kwargs)
+        sessions.append(weakref.ref(made))
+        return made
+
+    monkeypatch.setattr(session, "create_session", spy)
+    model = models.build("llama-tiny")
+    compiled = compile_fresh(model)
+    run_checked(compiled, model, 2, 5)
+    run_checked(compiled, model, 4, 7)  # the recompile with a dynamic batch
+    assert alive_at_build == [[], [False]]
+    run_checked(compiled, model, 2, 5)  # dynamo's first graph again: on the new session
+    assert len(builds()) == 2
+
+
 @pytest.mark.parametrize("level", ["dynamo", "session"])
 def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessions_run, exported, monkeypatch,
                                                                           level):
