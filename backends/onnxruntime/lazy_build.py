@@ -36,9 +36,8 @@ class BuildOnSecondCall:
     """``build(args)`` makes the graph's ONNX Runtime callable on the second call; the first
     runs ``first`` (the graph on torch). Attribute reads go to the built callable."""
 
-    def __init__(self, first: Callable, build: Callable[[list], Callable]) -> None:
-        self.first, self.build, self.built = first, build, None
-        self.graphopt_notes = [NOTE]
+    def __init__(self, first: Callable | None, build: Callable[[list], Callable]) -> None:
+        self.first, self.build, self.built = first, build, None  # no first: the next call builds
 
     def __call__(self, *args: Any) -> Any:
         if self.built is not None:
@@ -61,4 +60,6 @@ class BuildOnSecondCall:
 def build_on_second_call(gm: fx.GraphModule, build: Callable[[list], Callable]) -> BuildOnSecondCall:
     from graphopt.targets import get_target
 
-    return BuildOnSecondCall(get_target("eager").compile(gm, None, None), build)
+    lazy = BuildOnSecondCall(get_target("eager").compile(gm, None, None), build)
+    lazy.graphopt_notes = [NOTE]
+    return lazy

@@ -90,15 +90,19 @@ def _recompiled() -> bool:
 
 
 def _compile_at_second_call(gm: fx.GraphModule, provider: str) -> Callable:
-    report = reports.current_report()  # gone by the second call: the build is recorded on it
+    # The report is gone from the context by the second call: the build is recorded on it.
+    return build_on_second_call(gm, _static_build_at_call(gm, provider, reports.current_report()))
 
+
+def _static_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable[[list], Callable]:
+    """``build(args)``: ``gm``'s static session, made during a call with that call's tensors."""
     def build(args: list) -> Callable:
         # In a fresh thread: a call runs inside aot_autograd's runtime wrapper, whose
         # thread-local dispatch state breaks the export (as for PerSignature).
         with ThreadPoolExecutor(max_workers=1) as pool:
             return pool.submit(_compile_static, gm, args, provider, report).result()
 
-    return build_on_second_call(gm, build)
+    return build
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -196,13 +200,7 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
 
 def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
     """A released static graph's stand-in: it builds the graph's own session at its next call."""
-    gm, provider, report = earlier.gm, earlier.provider, earlier.report
-
-    def build(args: list) -> Callable:
-        with ThreadPoolExecutor(max_workers=1) as pool:  # see _compile_at_second_call
-            return pool.submit(_compile_static, gm, args, provider, report).result()
-
-    return BuildOnSecondCall(None, build)
+    return BuildOnSecondCall(None, _static_build_at_call(earlier.gm, earlier.provider, earlier.report))
 
 
 def _retirable(gm: fx.GraphModule, provider: str, run: Callable) -> Callable:

@@ -35,20 +35,25 @@ def generate_all(model) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
-def test_model_generate_through_torch_compile_matches_eager(hf_llama, dynamic):
-    expected = generate_all(hf_llama)
+def assert_compiled_generate_matches_eager(model, dynamic) -> None:
+    """model.generate with ``model.forward`` compiled by graphopt: the same tokens as eager."""
+    expected = generate_all(model)
     torch._dynamo.reset()
     graphopt.reset()
-    eager_forward = hf_llama.forward
-    hf_llama.forward = torch.compile(eager_forward, backend="graphopt", dynamic=dynamic,
-                                     options={"target": "onnxruntime", "fallback": "error"})
+    eager_forward = model.forward
+    model.forward = torch.compile(eager_forward, backend="graphopt", dynamic=dynamic,
+                                  options={"target": "onnxruntime", "fallback": "error"})
     try:
-        got = generate_all(hf_llama)
+        got = generate_all(model)
     finally:
-        hf_llama.forward = eager_forward
+        model.forward = eager_forward
     for want, have in zip(expected, got):
         assert torch.equal(want, have)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_model_generate_through_torch_compile_matches_eager(hf_llama, dynamic):
+    assert_compiled_generate_matches_eager(hf_llama, dynamic)
     reports = graphopt.reports()
     assert all(r.target == "onnxruntime" for r in reports), [r.target for r in reports]
     # HF passes logits_to_keep=1, an int dynamo makes a symbol and then pins to 1: that is
@@ -72,17 +77,7 @@ def test_the_compiled_decode_step_reads_attention_inputs_without_layout_round_tr
     models = []
     create = session.create_session
     monkeypatch.setattr(session, "create_session", lambda model, *a, **k: models.append(model) or create(model, *a, **k))
-    expected = generate_all(hf_llama)
-    torch._dynamo.reset()
-    graphopt.reset()
-    eager_forward = hf_llama.forward
-    hf_llama.forward = torch.compile(eager_forward, backend="graphopt", dynamic=True,
-                                     options={"target": "onnxruntime", "fallback": "error"})
-    try:
-        got = generate_all(hf_llama)
-    finally:
-        hf_llama.forward = eager_forward
-    assert all(torch.equal(w, h) for w, h in zip(expected, got))
+    assert_compiled_generate_matches_eager(hf_llama, dynamic=True)
     histograms = [model.op_histogram() for model in models]
     prefill, decode = sorted(histograms, key=lambda h: h.get("Transpose", 0), reverse=True)
     assert decode.get("Transpose", 0) == 0, decode
