@@ -132,18 +132,18 @@ def note_added_guards(report: CompileReport, guards: Sequence[Any]) -> None:
     """
     added = []
     for guard in guards:
-        text = f"graphopt's rewrite specialised this graph on {guard.expr} ({guard.sloc}): an input that breaks it recompiles"
+        where = f"{guard.expr} ({guard.sloc})"
+        text = f"graphopt's rewrite specialised this graph on {where}: an input that breaks it recompiles"
         if text not in report.notes:
             report.notes.append(text)
-            added.append(text)
+            added.append((text, where))
     # One line per graph: a 30-layer decoder adds one such guard per layer (attention's k and
     # v lengths), and thirty identical warnings bury everything else in the log.
     if len(added) == 1:
-        log.warning("graphopt: %s", added[0])
+        log.warning("graphopt: %s", added[0][0])
     elif added:
         log.warning("graphopt: graphopt's rewrites specialised this graph on %d size relations, the first %s "
-                    "(the report's notes list each): an input that breaks one recompiles", len(added),
-                    added[0].split(" on ", 1)[1].split(": an input", 1)[0])
+                    "(the report's notes list each): an input that breaks one recompiles", len(added), added[0][1])
 
 
 @dataclass
