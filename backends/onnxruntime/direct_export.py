@@ -200,15 +200,18 @@ def _tensor_outputs(graph: fx.Graph) -> tuple[list[Any], list[fx.Node]]:
     for position, value in enumerate(flat):
         val = value.meta.get("val") if isinstance(value, fx.Node) else value
         if isinstance(val, torch.Tensor):
+            if value in kept or value.op == "placeholder":
+                # An ONNX value is a graph output once, and an input is not an output: a copy
+                # is (as torch.export makes). A cache returned as it came in, for one.
+                with graph.inserting_before(output):
+                    value = graph.call_function(torch.ops.aten.clone.default, (value,))
+                value.meta["val"] = val
             plan.append(len(kept))
             kept.append(value)
         elif ir.is_symbolic_size(val):
             plan.append(("sym", position))
         else:
             plan.append(("const", int(val) if isinstance(val, torch.SymInt) else val))
-    if len(set(kept)) != len(kept) or any(n.op == "placeholder" for n in kept):
-        # An ONNX value is one graph output once; torch.export copies repeated ones.
-        raise NotDirect("an output is returned twice or is an input")
     output.args = (tuple(kept),)
     return plan, kept
 

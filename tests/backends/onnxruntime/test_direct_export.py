@@ -188,3 +188,25 @@ def test_a_failing_direct_translation_falls_back_to_the_traced_route_and_says_so
     assert any("re-traces this graph" in r.getMessage() for r in caplog.records)
     (got,) = run(model, [x])
     torch.testing.assert_close(got, torch.relu(x) * 2)
+
+
+def test_an_input_or_a_value_returned_twice_is_copied_like_the_traced_route_copies_it(monkeypatch):
+    """A cache returned as it came in, or one value at two output positions: an ONNX value
+    is a graph output once and an input is not an output, so both routes return copies."""
+    def returns_input_and_repeats(cache, x):
+        y = x * 2
+        return cache, y, y
+
+    cache, x = torch.randn(2, 3), torch.randn(3, 4)
+    gm = _aten_graph(returns_input_and_repeats, cache, x)
+    direct = export_module.export_graph(gm, [cache, x], dynamic=False)
+    slow = traced(monkeypatch, gm, [cache, x], dynamic=False)
+    assert direct.route == "direct"
+    # The traced route renames an input it also returns (tensors_0_orig); nothing else differs.
+    unnamed = lambda model: {**describe(model), "inputs": [i[1:] for i in describe(model)["inputs"]]}  # noqa: E731
+    assert unnamed(direct) == unnamed(slow)
+    assert direct.output_plan == [0, 1, 2]
+    for got in (run(direct, [cache, x]), run(slow, [cache, x])):
+        torch.testing.assert_close(got[0], cache)
+        torch.testing.assert_close(got[1], x * 2)
+        torch.testing.assert_close(got[2], x * 2)
