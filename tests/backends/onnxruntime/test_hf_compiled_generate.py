@@ -4,6 +4,8 @@ are served from dynamic sessions, not exported once per cache length."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -40,6 +42,10 @@ def assert_compiled_generate_matches_eager(model, dynamic) -> None:
     expected = generate_all(model)
     torch._dynamo.reset()
     graphopt.reset()
+    # An earlier test's compiled graphs linger in reference cycles until collected, and while
+    # they live their dynamic sessions serve this test's instances (reuse.py): its builds
+    # would then depend on when the collector last ran.
+    gc.collect()
     eager_forward = model.forward
     model.forward = torch.compile(eager_forward, backend="graphopt", dynamic=dynamic,
                                   options={"target": "onnxruntime", "fallback": "error"})
