@@ -81,11 +81,13 @@ class Translated:
 
 def translate(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: bool,
               sizes_from: dict[int, tuple[int, int]] | None, table: dict[object, Callable],
-              opset: int | None = None) -> Translated:
+              opset: int | None = None, scalars: Sequence[int] = ()) -> Translated:
     """``gm`` (a private copy: it is rewritten in place) as an ONNX model; NotDirect if it cannot be.
 
     Inputs, outputs and sizes follow ``export._TensorsOnly``: non-tensor inputs are read from
     a tensor's size (``sizes_from``) or baked in, non-tensor outputs go to the output plan.
+    The inputs in ``scalars`` (SymInts no tensor's size gives) stay inputs: 0-d int64 tensors
+    after the tensor inputs, in their order.
     """
     from torch.export import graph_signature as sig
     from torch.onnx._internal.exporter import _core, _fx_passes
@@ -99,14 +101,20 @@ def translate(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: boo
     tensors = [n for n, x in zip(placeholders, example_inputs) if isinstance(x, torch.Tensor)]
     if not tensors:
         raise NotDirect("the graph has no tensor input")
-    _replace_non_tensor_inputs(graph, placeholders, example_inputs, sizes_from or {})
-    weights, weight_specs = _weights_as_inputs(gm, tensors[-1])
+    scalar_nodes = [placeholders[i] for i in scalars]
+    if not dynamic and scalar_nodes:
+        raise NotDirect("a static export takes no SymInt inputs")
+    _replace_non_tensor_inputs(graph, placeholders, example_inputs, sizes_from or {}, set(scalars))
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    weights, weight_specs = _weights_as_inputs(gm, last_input)
     plan, kept = _tensor_outputs(graph)
 
     graph.lint()
     gm.recompile()
+    user_inputs = [sig.InputSpec(sig.InputKind.USER_INPUT, sig.TensorArgument(n.name), None) for n in tensors]
+    user_inputs += [sig.InputSpec(sig.InputKind.USER_INPUT, sig.SymIntArgument(n.name), None) for n in scalar_nodes]
     signature = sig.ExportGraphSignature(
-        [sig.InputSpec(sig.InputKind.USER_INPUT, sig.TensorArgument(n.name), None) for n in tensors] + weight_specs,
+        user_inputs + weight_specs,
         [sig.OutputSpec(sig.OutputKind.USER_OUTPUT, sig.TensorArgument(n.name), None) for n in kept])
     with _no_new_guards(gm):
         _fx_passes.insert_type_promotion_nodes(gm)
@@ -143,10 +151,11 @@ def _check(gm: fx.GraphModule, reg, dynamic: bool) -> None:
 
 
 def _replace_non_tensor_inputs(graph: fx.Graph, placeholders: list[fx.Node], example_inputs: Sequence[Any],
-                               sizes_from: dict[int, tuple[int, int]]) -> None:
-    """A size input becomes ``sym_size`` of the tensor axis it comes from; any other is baked in."""
+                               sizes_from: dict[int, tuple[int, int]], scalars: set[int]) -> None:
+    """A size input becomes ``sym_size`` of the tensor axis it comes from; one in ``scalars``
+    stays an input; any other is baked in."""
     for index, (node, example) in enumerate(zip(placeholders, example_inputs)):
-        if isinstance(example, torch.Tensor):
+        if isinstance(example, torch.Tensor) or index in scalars:
             continue
         if index in sizes_from:
             tensor, axis = sizes_from[index]

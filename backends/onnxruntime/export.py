@@ -56,6 +56,9 @@ class OnnxModel:
     cached_attention: int = 0  # attentions lowered to GroupQueryAttention with past/present
     # "direct" (translated as compiled: direct_export.py) or "traced: <why>" (torch.onnx.export).
     route: str = "traced"
+    # Graph inputs (placeholder positions) the model takes after its tensors, as 0-d int64
+    # tensors: SymInts that no tensor input's size gives (``signatures.SizePlan.scalars``).
+    scalar_inputs: list[int] = field(default_factory=list)
 
     def op_histogram(self) -> dict[str, int]:
         """``{"com.microsoft::GroupQueryAttention": 8, "MatMul": 57, ...}`` over the main graph."""
@@ -199,12 +202,14 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
                  opset: int | None = None, input_names: Sequence[str] | None = None,
                  output_names: Sequence[str] | None = None,
                  axis_names: Sequence[dict[int, str] | None] | None = None,
-                 sizes_from: dict[int, tuple[int, int]] | None = None, rewrite: bool = True,
-                 infer_types: bool = True, tidy_attention: bool = False) -> OnnxModel:
+                 sizes_from: dict[int, tuple[int, int]] | None = None, scalars: Sequence[int] = (),
+                 rewrite: bool = True, infer_types: bool = True, tidy_attention: bool = False) -> OnnxModel:
     """Export ``gm`` (an optimized ATen graph) to ONNX; raise UnsupportedOp / OnnxExportError.
 
     ``sizes_from`` {input index: (tensor input index, axis)}: non-tensor inputs to compute
-    from a tensor input's size instead of baking in their example value. ``rewrite=False``
+    from a tensor input's size instead of baking in their example value. ``scalars``: SymInt
+    inputs the model takes as 0-d int64 tensors after its tensor inputs (only the direct
+    translation keeps them: the traced route's wrapper takes tensors only). ``rewrite=False``
     skips onnxscript's pattern rewrites (``onnx_cleanup.light_cleanup`` folds constants instead): on a
     30-layer model they took half of the ONNX export, for rewrites ORT's own session
     optimizer also makes. Without them the constant folding runs ONNX's type inference, so
@@ -226,11 +231,16 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
     names = [{a: d.__name__ for a, d in spec.items()} if spec else None for spec in dynamic_shapes[0]] \
         if dynamic_shapes else []
     direct, route = _translate_directly(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                                        table=table, opset=opset, rewrite=rewrite)
+                                        scalars=scalars, table=table, opset=opset, rewrite=rewrite)
     if direct is not None:
-        return _finish(direct.model, direct.output_plan, direct.output_dtypes, cached, route, names=names,
-                       input_names=input_names, output_names=output_names, infer_types=infer_types,
-                       tidy_attention=tidy_attention, rewrite=rewrite)
+        onnx_model = _finish(direct.model, direct.output_plan, direct.output_dtypes, cached, route, names=names,
+                             input_names=input_names, output_names=output_names, infer_types=infer_types,
+                             tidy_attention=tidy_attention, rewrite=rewrite)
+        onnx_model.scalar_inputs = list(scalars)
+        return onnx_model
+    if scalars:
+        raise OnnxExportError(f"SymInt inputs that no tensor's size gives need the direct translation, "
+                              f"which this graph cannot take ({route.removeprefix('traced: ')})")
     prepared, cached = lowering.prepare(gm, table)  # the attempt rewrote its copy
     wrapper = _TensorsOnly(prepared, example_inputs, sizes_from)
     tensors = tuple(x for x in example_inputs if isinstance(x, torch.Tensor))
@@ -261,12 +271,12 @@ def export_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: 
 
 
 def _translate_directly(prepared: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: bool, sizes_from,
-                        table: dict, opset: int | None, rewrite: bool):
+                        scalars: Sequence[int], table: dict, opset: int | None, rewrite: bool):
     """(the direct translation, "direct"), or (None, "traced: <why>") for torch.onnx.export."""
     try:
         with _quiet():
             direct = direct_export.translate(prepared, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                                             table=table, opset=opset)
+                                             table=table, opset=opset, scalars=scalars)
             if rewrite:  # what torch.onnx.export's optimize=True runs
                 from torch.onnx._internal._lazy_import import onnxscript_apis
 

@@ -5,8 +5,11 @@ SymInts (``s0``, the length it was traced with) and may return some. ``SizePlan`
 each comes from at run time: a SymInt input is the size of the tensor input axis that has
 the same symbolic expression (read inside the model, so the model keeps one input per
 tensor), and a SymInt output is its expression evaluated on the symbols' run-time values.
-When a SymInt is not any input axis's size, ``SizePlan.problem`` says so and the target
-falls back to ``PerSignature``: one static model per input signature.
+A SymInt input that is no input axis's size (``scalars``: the int counters transformers'
+sliding-window cache keeps, ``cumulative_length``) becomes an input of the model of its
+own, a 0-d int64 tensor. Where a size cannot be had either way (a SymFloat input, an output
+of a symbol nothing gives), ``SizePlan.problem`` says so and the target falls back to
+``PerSignature``: one static model per input signature.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class SizePlan:
     """Where a symbolic graph's SymInt inputs and outputs come from."""
 
     sizes_from: dict[int, tuple[int, int]] = field(default_factory=dict)  # input -> (tensor input, axis)
+    scalars: list[int] = field(default_factory=list)  # SymInt inputs the model takes as 0-d int64 tensors
     sources: dict[Any, tuple[int, int | None]] = field(default_factory=dict)  # symbol -> (input, axis|None)
     outputs: dict[int, Any] = field(default_factory=dict)  # output position -> sympy expression
     problem: str | None = None
@@ -54,10 +58,10 @@ class SizePlan:
                 plan.problem = f"input {node.name} is a symbolic {type(val).__name__}, which no tensor's size gives"
             elif is_symbolic_size(val):
                 expr = val.node.expr
-                if expr not in axis_of:
-                    plan.problem = f"the SymInt input {node.name} = {expr} is not the size of any tensor input axis"
-                    continue
-                plan.sizes_from[index] = axis_of[expr]
+                if expr in axis_of:
+                    plan.sizes_from[index] = axis_of[expr]
+                else:
+                    plan.scalars.append(index)
                 if expr.is_Symbol:
                     plan.sources.setdefault(expr, (index, None))
         outputs = gm.graph.output_node().args[0]

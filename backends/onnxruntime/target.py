@@ -11,10 +11,11 @@ up there. A graph with static shapes is exported static (ORT plans its memory on
 with symbolic sizes (dynamo's automatic-dynamic recompile after a second shape,
 ``dynamic=True``, ``mark_dynamic``) is exported once with those axes dynamic and serves every
 shape from one session: the SymInt inputs a dynamo graph takes (``s0``) are read from the
-tensor input axis of the same size inside the model, and SymInt outputs are computed from the
-run's input sizes. Only where that cannot work (a SymInt that is no input axis's size, or an
-export that fails with dynamic axes) does the graph fall back to one static model per input
-signature (``_PerSignature``, up to ``MAX_SPECIALIZATIONS``), with a warning and a note.
+tensor input axis of the same size inside the model, a SymInt that is no input axis's size
+(a counter in a KV cache object) is an input of its own, and SymInt outputs are computed from
+the run's inputs. Only where that cannot work (a SymFloat input, or an export that fails with
+dynamic axes) does the graph fall back to one static model per input signature
+(``_PerSignature``, up to ``MAX_SPECIALIZATIONS``), with a warning and a note.
 Every export + session is a build in the graph's report. A later graph that is a dynamic
 graph's instance (dynamo's batch-of-1 recompile: ``s0 = 1``) runs on that graph's session,
 with no build and a note (``reuse.py``).
@@ -131,7 +132,8 @@ def _output_specs(gm: fx.GraphModule) -> list | None:
 
 
 def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, dynamic: bool,
-                   sizes_from: dict | None = None, report=None, arena: bool | None = None):
+                   sizes_from: dict | None = None, scalars: list[int] | None = None, report=None,
+                   arena: bool | None = None):
     """Export ``gm`` and open its session; record the build on the graph's report."""
     from graphopt.backends.onnxruntime.export import export_graph
     from graphopt.backends.onnxruntime.session import create_session
@@ -147,7 +149,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     # Attention's layout round trips go, which ORT's optimizer leaves (export_graph's docstring).
     with ThreadPoolExecutor(max_workers=1) as pool:
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                            rewrite=False, tidy_attention=True).result()
+                            scalars=scalars or (), rewrite=False, tidy_attention=True).result()
     exported = time.perf_counter()
     session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     done = time.perf_counter()
@@ -186,7 +188,7 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
         release_free_heap()
     try:
         model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from,
-                                        arena=bound is not None)
+                                        scalars=plan.scalars, arena=bound is not None)
     except OnnxExportError as error:
         return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
     run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
@@ -216,6 +218,8 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier |
     if found is None:
         return None
     earlier, binding = found
+    if earlier.model.scalar_inputs:  # its session takes sizes as inputs that this graph may have fixed
+        return None
     plan = SizePlan.of(gm) if _has_symbolic_shapes(gm) else None
     if plan is not None and plan.problem:
         return None
@@ -249,6 +253,7 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
     that keeps coming back is worth the memory it keeps (about 420 MB at 4x512) until the
     next shape releases it. After a shrink the C heap's free pages go back too (``heap_trim.py``)."""
     tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
+    scalar_positions = model.scalar_inputs  # after the tensors, as 0-d int64 tensors
     outputs_plan = model.output_plan if output_plan is None else output_plan
     single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
     layouts = _output_layouts(gm)
@@ -258,6 +263,7 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
 
     def run(*args: Any) -> Any:
         tensors = [args[i] for i in tensor_positions]
+        tensors += [torch.tensor(int(args[i]), dtype=torch.int64) for i in scalar_positions]
         options = None
         if release is not None:  # a static session has no arena to shrink
             shapes = [tuple(t.shape) for t in tensors]

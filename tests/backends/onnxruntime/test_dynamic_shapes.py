@@ -246,21 +246,50 @@ def test_a_transposed_view_output_keeps_its_layout():
 
 
 class ScaledByInt(torch.nn.Module):
-    """``n`` is a graph input that no tensor's size gives: no single dynamic model can take it."""
+    """``n`` is a graph input that no tensor's size gives (as the int counters of transformers'
+    sliding-window cache are), and the graph returns a size computed from it."""
 
     def forward(self, x, n: int):
-        return x * n + 1
+        return x * n + 1, n + x.shape[-1]
 
 
-def test_skips_dynamic_export_when_a_symint_is_no_input_size(caplog):
+def test_a_symint_that_is_no_input_size_is_an_input_of_the_one_dynamic_model(exported):
+    compiled = compile_fresh(ScaledByInt(), dynamic=True)
+    for n in (2, 3, 5):
+        x = torch.randn(2, 5 + n)
+        out, size = compiled(x, n)
+        torch.testing.assert_close(out, x * n + 1)
+        assert size == n + 5 + n
+    (report,) = graphopt.reports()
+    assert report.target == "onnxruntime" and not report.fallbacks
+    assert not [note for note in report.notes if "per input shape" in note], report.notes
+    assert len(builds()) == 1 and builds()[0]["export_route"] == "direct"
+    (onnx_model,) = exported
+    inputs = onnx_model.model.graph.inputs
+    assert len(inputs) == 2 and inputs[1].shape.dims == () and inputs[1].dtype.name == "INT64"
+
+
+def test_a_symint_input_without_the_direct_translation_is_exported_once_per_shape(caplog, monkeypatch):
+    """The traced export takes tensors only: a graph whose SymInt input no tensor's size gives,
+    and that the direct translation refuses, gets one static model per signature, and the
+    note and the log say why."""
+    from graphopt.backends.onnxruntime import direct_export
+
+    def refuse(*args, **kwargs):
+        raise direct_export.NotDirect("refused by the test")
+
+    monkeypatch.setattr(direct_export, "translate", refuse)
     compiled = compile_fresh(ScaledByInt(), dynamic=True)
     with caplog.at_level(logging.WARNING, logger="graphopt"):
         for n in (2, 3, 2):
             x = torch.randn(2, 5 + n)
-            torch.testing.assert_close(compiled(x, n), x * n + 1)
+            out, size = compiled(x, n)
+            torch.testing.assert_close(out, x * n + 1)
+            assert size == n + 5 + n
     (report,) = graphopt.reports()
     assert report.target == "onnxruntime"
-    assert any("not the size of any tensor input axis" in note for note in report.notes), report.notes
+    assert any("need the direct translation" in note and "refused by the test" in note for note in report.notes), \
+        report.notes
     assert "once per input shape" in caplog.text
     assert len(builds()) == 2  # one static model per signature: (5+2, n=2) and (5+3, n=3), reused
 

@@ -89,3 +89,20 @@ def test_the_compiled_decode_step_reads_attention_inputs_without_layout_round_tr
     assert decode.get("Transpose", 0) == 0, decode
     # The prefill returns each layer's rotated key as its cache: that Transpose stays.
     assert prefill.get("Transpose", 0) <= 5 * hf_llama.config.num_hidden_layers, prefill
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_a_sliding_window_cache_does_not_export_per_length(dynamic):
+    """transformers' sliding-window cache keeps int counters (``cumulative_length``) that dynamo
+    makes SymInt inputs no tensor's size gives: each becomes an input of the model, not a
+    reason to export the graph once per cache length. The window (4) is shorter than the
+    prompts, so it changes which keys each query sees."""
+    config = transformers.MistralConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                                        sliding_window=4)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).eval()
+    assert_compiled_generate_matches_eager(model, dynamic)
+    reports = graphopt.reports()
+    assert not [n for r in reports for n in r.notes if PER_SHAPE in n], [r.notes for r in reports]
+    assert len([b for r in reports for b in r.builds]) == (2 if dynamic else 3)
