@@ -8,6 +8,9 @@ heads, 2 KV heads where the family has GQA, vocab 256; eval, fp32, seed 0) and c
   ``eager_generate`` and vs transformers' own ``model.generate``; a fallback is reported;
 - compile: ``torch.compile(model, backend="graphopt")`` logits vs eager at two lengths;
 - compile-pad: the same on a left-padded batch with its attention mask (every position);
+- compile-gen: transformers' own ``model.generate`` with ``model.forward`` compiled by graphopt
+  (dynamo's default), two prompts of different lengths: the tokens vs eager's, the builds, and
+  no graph exported once per input shape;
 - export: ``graphopt export CONFIG.json -o X.onnx --kv-cache --json`` (ORT vs eager inside).
 
 A cell reads ``ok`` (with the fused ops) or the first line of the error / mismatch.
@@ -78,7 +81,7 @@ FAMILIES: dict[str, dict] = {
     "qwen2@window4": {**BASE, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4,
                       "max_window_layers": 0},  # Qwen2 slides from layer max_window_layers on
 }
-CHECKS = ["gen-auto", "gen-eager", "compile", "compile-pad", "export"]
+CHECKS = ["gen-auto", "gen-eager", "compile", "compile-pad", "compile-gen", "export"]
 NEW_TOKENS = 8
 
 
@@ -189,6 +192,45 @@ def check_compile_padded(model) -> tuple[bool, str, dict]:
     return True, f"ok err {err:.0e}", detail
 
 
+def check_compiled_generate(model, lengths=(5, 9)) -> tuple[bool, str, dict]:
+    """``model.generate`` with the forward compiled by graphopt: tokens, builds, per-shape exports."""
+    import graphopt
+
+    def generate_each() -> list[torch.Tensor]:
+        out = []
+        with torch.no_grad():
+            for n in lengths:
+                ids = torch.randint(1, 256, (1, n), generator=torch.Generator().manual_seed(n))
+                out.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                          min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None,
+                                          pad_token_id=0))
+        return out
+
+    want = generate_each()
+    torch._dynamo.reset()
+    graphopt.reset()
+    forward = model.forward
+    model.forward = torch.compile(forward, backend="graphopt")
+    try:
+        got = generate_each()
+    finally:
+        model.forward = forward
+    reports = graphopt.reports()
+    torch._dynamo.reset()
+    fallbacks = [f"{f['where']}: {f['reason']}" for r in reports for f in r.fallbacks]
+    per_shape = [n for r in reports for n in r.notes if "per input shape" in n]
+    builds = sum(len(r.builds) for r in reports)
+    detail = {"graphs": len(reports), "builds": builds, "fallbacks": fallbacks, "per_shape": per_shape,
+              "targets": sorted({r.target for r in reports})}
+    if not all(torch.equal(a, b) for a, b in zip(want, got)):
+        return False, "tokens differ from eager's model.generate", detail
+    if fallbacks:
+        return False, f"fallback {first_line(fallbacks[0])}", detail
+    if per_shape:
+        return False, f"{builds} builds: {first_line(per_shape[0])}", detail
+    return True, f"ok {len(reports)} graphs, {builds} builds", detail
+
+
 def check_export(family: str, folder: Path) -> tuple[bool, str, dict]:
     from typer.testing import CliRunner
 
@@ -240,6 +282,7 @@ def run_family(family: str, folder: Path, checks: list[str] | None = None) -> di
             "gen-eager": lambda: check_generate(model, ids, "eager", hf_tokens),
             "compile": lambda: check_compile(model),
             "compile-pad": lambda: check_compile_padded(model),
+            "compile-gen": lambda: check_compiled_generate(model),
             "export": lambda: check_export(family, folder)}
     for name, job in jobs.items():
         if checks and name not in checks:
