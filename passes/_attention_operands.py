@@ -99,12 +99,19 @@ def as_bool_mask(mask: Any) -> Any:
 
 def _same_length(a, b) -> bool:
     """k and v lengths that are equal for every input the graph takes: the same size, or two
-    symbols (SDPA needs them equal, so the guard that relates them costs nothing). A symbol
-    against a constant is not: comparing them would pin the symbol to the constant, and the
-    graph would recompile for every other length (eager's CPU SDPA accepts such inputs)."""
+    symbols that were equal when traced. Those are related without a guard: SDPA needs them
+    equal (its product with v fails otherwise), so an input where they differ fails in eager
+    as in every lowering of the fused op (ONNX Runtime's checks, the Triton wrapper's), and a
+    guard would only add a warning and a note to every transformers model with a dynamic
+    cache, whose keys and values are two tensors with a symbol each. A symbol against a
+    constant is not the same length: comparing them would pin the symbol to the constant, and
+    the graph would recompile for every other length (eager's CPU SDPA accepts such inputs)."""
     if statically_known_true(a == b):
         return True
-    return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and bool(a == b)
+    if not (isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt)):
+        return False
+    hint_a, hint_b = a.node.hint, b.node.hint
+    return hint_a is not None and hint_a == hint_b
 
 
 def check_shapes(q: fx.Node, k: fx.Node, v: fx.Node, mask: fx.Node | None) -> None:

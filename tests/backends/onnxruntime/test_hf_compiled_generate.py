@@ -65,6 +65,10 @@ def test_model_generate_through_torch_compile_matches_eager(hf_llama, dynamic):
     # HF passes logits_to_keep=1, an int dynamo makes a symbol and then pins to 1: that is
     # a constant, not a reason to export the decode graph once per cache length.
     assert not [n for r in reports for n in r.notes if PER_SHAPE in n]
+    # The decode step's keys and values are two cache tensors with a symbol each: attention
+    # fuses, relating their lengths without a guard (passes/_attention_operands.py).
+    assert all(r.fused_op_counts().get("graphopt.attention", 0) == 2 for r in reports if r.builds)
+    assert not [n for r in reports for n in r.notes if "specialised" in n], [r.notes for r in reports]
     builds = [b for r in reports for b in r.builds]
     if dynamic:  # the prefill and the decode step, each dynamic from the start
         assert len(builds) == 2 and all(b["dynamic_dims"] for b in builds), builds

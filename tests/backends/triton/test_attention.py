@@ -139,6 +139,16 @@ def test_rejects_heads_that_do_not_group():
         dispatch.attention(q, k, v)
 
 
+@pytest.mark.parametrize("sq", [1, 3])  # decoding and prefill
+def test_rejects_k_and_v_of_different_lengths(sq):
+    """The fusion relates k's and v's lengths without a guard; the kernels would read v at
+    k's length, so the wrapper fails instead, as eager's SDPA does."""
+    q, k, _ = _qkv(1, 2, 2, sq, 6, 16, 16, torch.float32)
+    v = randn(1, 2, 5, 16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="k has 6 positions and v 5"):
+        dispatch.attention(q, k, v)
+
+
 # ---------------------------------------------------------------- soft-capped scores (Gemma2, Grok)
 
 CAP = 5.0
