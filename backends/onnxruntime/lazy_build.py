@@ -15,6 +15,11 @@ So a static recompile (``report.recompile_reason`` is set) gets ``BuildOnSecondC
 - A dynamic graph compiled in between that has it as an instance takes it over first
   (``reuse.retire_instances``), and then it never builds.
 
+The same goes for a recompile whose tensors are static and only int inputs symbolic
+(``INTS_NOTE``): transformers' sliding-window cache keeps counters that dynamo makes dynamic
+once they change, so Gemma 3's first decode step is such a graph, called once. Its session,
+built at its second call, takes the ints as inputs (``signatures.SizePlan.scalars``).
+
 A graph that dynamo compiles for the first time builds at once, as before. The option
 ``lazy_recompiles=False`` makes recompiles build at once too.
 """
@@ -30,6 +35,8 @@ log = logging.getLogger("graphopt")
 
 NOTE = ("onnxruntime: dynamo recompiled this graph static, for one shape: its first call runs on torch, and its "
         "session is built at its second call (option lazy_recompiles)")
+INTS_NOTE = ("onnxruntime: dynamo recompiled this graph with static tensor shapes, only int inputs symbolic: its "
+             "first call runs on torch, and its session is built at its second call (option lazy_recompiles)")
 
 
 class BuildOnSecondCall:
@@ -57,9 +64,15 @@ class BuildOnSecondCall:
         return getattr(built, name)
 
 
-def build_on_second_call(gm: fx.GraphModule, build: Callable[[list], Callable]) -> BuildOnSecondCall:
+def build_on_second_call(gm: fx.GraphModule, build: Callable[[list], Callable], lay_out: Callable[[Any], Any],
+                         note: str = NOTE) -> BuildOnSecondCall:
+    """``lay_out`` gives the first call's outputs the layout the session's would have: dynamo
+    guards the next call's inputs on their strides, and a cache returned as torch's strided
+    view one step and as the session's row-major tensor the next would recompile the graph
+    that takes it (Mistral with a full 4-token window: a fourth graph and build)."""
     from graphopt.targets import get_target
 
-    lazy = BuildOnSecondCall(get_target("eager").compile(gm, None, None), build)
-    lazy.graphopt_notes = [NOTE]
+    on_torch = get_target("eager").compile(gm, None, None)
+    lazy = BuildOnSecondCall(lambda *args: lay_out(on_torch(*args)), build)
+    lazy.graphopt_notes = [note]
     return lazy

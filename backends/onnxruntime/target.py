@@ -37,7 +37,7 @@ from graphopt import report as reports
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
-from graphopt.backends.onnxruntime.lazy_build import BuildOnSecondCall, build_on_second_call
+from graphopt.backends.onnxruntime.lazy_build import INTS_NOTE, BuildOnSecondCall, build_on_second_call
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.ir import is_symbolic_size
 
@@ -81,6 +81,12 @@ class OnnxRuntimeTarget:
             if config.lazy_recompiles and _recompiled():
                 return _retirable(gm, config.provider, _compile_at_second_call(gm, config.provider))
             return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
+        if config.lazy_recompiles and _recompiled() and not _has_symbolic_tensor_sizes(gm):
+            # Only int inputs are symbolic (a sliding-window cache's counters, which dynamo made
+            # dynamic when they changed): its tensors have one shape, and like a static
+            # recompile it is most often called once (Gemma 3's first decode step).
+            return build_on_second_call(gm, _symbolic_build_at_call(gm, config.provider, reports.current_report()),
+                                        _laid_out_as_session(gm), INTS_NOTE)
         return _compile_symbolic(gm, config.provider)
 
 
@@ -92,7 +98,8 @@ def _recompiled() -> bool:
 
 def _compile_at_second_call(gm: fx.GraphModule, provider: str) -> Callable:
     # The report is gone from the context by the second call: the build is recorded on it.
-    return build_on_second_call(gm, _static_build_at_call(gm, provider, reports.current_report()))
+    return build_on_second_call(gm, _static_build_at_call(gm, provider, reports.current_report()),
+                                _laid_out_as_session(gm))
 
 
 def _static_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable[[list], Callable]:
@@ -104,6 +111,25 @@ def _static_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable
             return pool.submit(_compile_static, gm, args, provider, report).result()
 
     return build
+
+
+def _symbolic_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable[[list], Callable]:
+    """``build(args)``: ``gm``'s dynamic session, made during a call; what the build has to
+    say goes into the report itself (compile time, when the core copies notes, has passed)."""
+    def build(args: list) -> Callable:
+        with ThreadPoolExecutor(max_workers=1) as pool:  # as _static_build_at_call
+            built = pool.submit(_compile_symbolic, gm, provider, report).result()
+        if report is not None:
+            report.notes.extend(getattr(built, "graphopt_notes", ()))
+        return built
+
+    return build
+
+
+def _has_symbolic_tensor_sizes(gm: fx.GraphModule) -> bool:
+    """Whether a tensor input has a symbolic size (not only a SymInt input)."""
+    return any(isinstance(val := n.meta.get("val"), torch.Tensor) and any(map(is_symbolic_size, val.shape))
+               for n in gm.graph.nodes if n.op == "placeholder")
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
@@ -169,17 +195,19 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, rep
     return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
 
 
-def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
-    """One export with the symbolic axes dynamic, one session for every shape."""
+def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Callable:
+    """One export with the symbolic axes dynamic, one session for every shape. ``report``:
+    the graph's, when this runs at a call instead of at compile time (lazy_build.py)."""
     from graphopt.backends.onnxruntime.errors import OnnxExportError
     from graphopt.backends.onnxruntime.session import SessionRunner
 
+    report = report or reports.current_report()
     plan = SizePlan.of(gm)
     if plan.problem:
-        return _per_signature(gm, provider, plan.problem)
+        return _per_signature(gm, provider, plan.problem, report)
     inputs = inputs_from_meta(gm)
     if inputs is None:
-        return _per_signature(gm, provider, "an input has no fake value to size an example from")
+        return _per_signature(gm, provider, "an input has no fake value to size an example from", report)
     # With outputs it can bind, the session keeps ORT's arena and shrinks it after each run.
     bound = BoundOutputs.of(gm, plan) if provider == "cpu" else None
     # Static graphs this one will take over drop their sessions before the build. Should the
@@ -188,16 +216,16 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str) -> Callable:
         release_free_heap()
     try:
         model, session = _build_session(gm, inputs, provider, dynamic=True, sizes_from=plan.sizes_from,
-                                        scalars=plan.scalars, arena=bound is not None)
+                                        scalars=plan.scalars, report=report, arena=bound is not None)
     except OnnxExportError as error:
-        return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})")
+        return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})", report)
     run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
                   release=bound is not None)
     entry = reuse.remember(gm, model, session, provider, owner=run)
     # Graphs compiled before this one that are its instances move onto this session.
     if reuse.retire_instances(provider, lambda earlier_gm: _serve_from_earlier(earlier_gm, provider, only=entry)):
         release_free_heap()  # the retired sessions' weights and arenas
-    return _retirable(gm, provider, run)
+    return _retirable(gm, provider, run, report)
 
 
 def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
@@ -205,8 +233,8 @@ def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
     return BuildOnSecondCall(None, _static_build_at_call(earlier.gm, earlier.provider, earlier.report))
 
 
-def _retirable(gm: fx.GraphModule, provider: str, run: Callable) -> Callable:
-    return reuse.retirable(gm, provider, run, reports.current_report())
+def _retirable(gm: fx.GraphModule, provider: str, run: Callable, report=None) -> Callable:
+    return reuse.retirable(gm, provider, run, report or reports.current_report())
 
 
 def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier | None = None) -> Callable | None:
@@ -286,6 +314,21 @@ def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | N
     return run
 
 
+def _laid_out_as_session(gm: fx.GraphModule) -> Callable[[Any], Any]:
+    """The graph's outputs (from torch) in the layout ``_runner`` gives the session's: row-major,
+    or the graph's own dim order where ``_output_layouts`` names one."""
+    layouts = _output_layouts(gm)
+
+    def lay_out(outputs: Any) -> Any:
+        single = not isinstance(outputs, (tuple, list))
+        flat = [outputs] if single else list(outputs)
+        flat = [(_lay_out(t, order) if order is not None else t.contiguous()) if isinstance(t, torch.Tensor) else t
+                for t, order in zip(flat, layouts + [None] * (len(flat) - len(layouts)))]
+        return flat[0] if single else tuple(flat) if isinstance(outputs, tuple) else flat
+
+    return lay_out
+
+
 def _output_layouts(gm: fx.GraphModule) -> list[list[int] | None]:
     """Per graph output: the order of its dims in memory (outermost first) when the graph
     returns it laid out otherwise than row-major, else None.
@@ -320,11 +363,11 @@ def _lay_out(tensor: Any, order: list[int]) -> Any:
     return tensor.permute(order).contiguous().permute(inverse)
 
 
-def _per_signature(gm: fx.GraphModule, provider: str, reason: str) -> Callable:
+def _per_signature(gm: fx.GraphModule, provider: str, reason: str, report=None) -> Callable:
     log.warning("graphopt: onnxruntime exports this graph once per input shape (up to %d kept): %s",
                 MAX_SPECIALIZATIONS, reason)
     fn = PerSignature(gm, lambda g, args, report: _compile_static(g, args, provider, report),
-                      reports.current_report(), MAX_SPECIALIZATIONS)
+                      report or reports.current_report(), MAX_SPECIALIZATIONS)
     fn.graphopt_notes = [f"onnxruntime: one static export per input shape, since {reason}"]
     return fn
 

@@ -48,3 +48,52 @@ def test_lazy_recompiles_off_builds_at_the_first_call():
         for n in (5, 7):
             compiled(*models.example_inputs(model, batch=1, seq_len=n, seed=n))
     assert builds_per_report() == [1, 1]
+
+
+class ScaledByInt(torch.nn.Module):
+    def forward(self, x, n: int):
+        return x * n + 1
+
+
+def test_a_recompile_with_only_int_inputs_symbolic_builds_at_its_second_call_then_serves_every_int():
+    """A second int makes dynamo recompile with the int symbolic and the tensors static (a
+    sliding-window cache's counters at Gemma 3's first decode step): like a static recompile
+    it runs on torch first, then builds one session in which the int is an input."""
+    torch._dynamo.reset()
+    graphopt.reset()
+    compiled = torch.compile(ScaledByInt(), backend="graphopt",
+                             options={"target": "onnxruntime", "fallback": "error"})
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, 2), x * 2 + 1)
+        assert builds_per_report() == [1]
+        torch.testing.assert_close(compiled(x, 3), x * 3 + 1)
+        assert builds_per_report() == [1, 0], "the recompile's first call builds nothing"
+        for n in (4, 5, 6):
+            torch.testing.assert_close(compiled(x, n), x * n + 1)
+    assert builds_per_report() == [1, 1], "its second call builds one session for every int"
+    recompiled = graphopt.reports()[1]
+    assert recompiled.recompile_reason and not recompiled.fallbacks
+    assert any("only int inputs symbolic" in n for n in recompiled.notes), recompiled.notes
+
+
+class DoubledTail(torch.nn.Module):
+    def forward(self, x):
+        return (x * 2)[:, 1:]  # a strided view on torch; row-major from a session
+
+
+def test_the_first_call_on_torch_returns_the_layout_the_session_will():
+    """dynamo guards the next call's inputs on their strides: a cache returned as a strided view
+    by the first call and row-major by the session afterwards would recompile its consumer."""
+    torch._dynamo.reset()
+    graphopt.reset()
+    compiled = torch.compile(DoubledTail(), backend="graphopt", dynamic=False,
+                             options={"target": "onnxruntime", "fallback": "error"})
+    compiled(torch.randn(2, 5))
+    x = torch.randn(2, 7)
+    on_torch, on_session = compiled(x), compiled(x)
+    assert builds_per_report() == [1, 1]
+    assert DoubledTail()(x).stride() == (7, 1)
+    assert on_torch.stride() == on_session.stride() == (6, 1)
+    torch.testing.assert_close(on_torch, x[:, 1:] * 2)
+    torch.testing.assert_close(on_session, x[:, 1:] * 2)
