@@ -253,13 +253,18 @@ class ScaledByInt(torch.nn.Module):
         return x * n + 1, n + x.shape[-1]
 
 
-def test_a_symint_that_is_no_input_size_is_an_input_of_the_one_dynamic_model(exported):
-    compiled = compile_fresh(ScaledByInt(), dynamic=True)
-    for n in (2, 3, 5):
+def call_scaled_by_int(compiled, ints) -> None:
+    """Each int with its own length of x: the tensor output and the size output as eager's."""
+    for n in ints:
         x = torch.randn(2, 5 + n)
         out, size = compiled(x, n)
         torch.testing.assert_close(out, x * n + 1)
         assert size == n + 5 + n
+
+
+def test_a_symint_that_is_no_input_size_is_an_input_of_the_one_dynamic_model(exported):
+    compiled = compile_fresh(ScaledByInt(), dynamic=True)
+    call_scaled_by_int(compiled, (2, 3, 5))
     (report,) = graphopt.reports()
     assert report.target == "onnxruntime" and not report.fallbacks
     assert not [note for note in report.notes if "per input shape" in note], report.notes
@@ -281,11 +286,7 @@ def test_a_symint_input_without_the_direct_translation_is_exported_once_per_shap
     monkeypatch.setattr(direct_export, "translate", refuse)
     compiled = compile_fresh(ScaledByInt(), dynamic=True)
     with caplog.at_level(logging.WARNING, logger="graphopt"):
-        for n in (2, 3, 2):
-            x = torch.randn(2, 5 + n)
-            out, size = compiled(x, n)
-            torch.testing.assert_close(out, x * n + 1)
-            assert size == n + 5 + n
+        call_scaled_by_int(compiled, (2, 3, 2))
     (report,) = graphopt.reports()
     assert report.target == "onnxruntime"
     assert any("need the direct translation" in note and "refused by the test" in note for note in report.notes), \
