@@ -126,20 +126,18 @@ def _symbolic_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callab
     return build
 
 
+def _input_values(gm: fx.GraphModule) -> list:
+    return [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+
+
 def _has_symbolic_tensor_sizes(gm: fx.GraphModule) -> bool:
     """Whether a tensor input has a symbolic size (not only a SymInt input)."""
-    return any(isinstance(val := n.meta.get("val"), torch.Tensor) and any(map(is_symbolic_size, val.shape))
-               for n in gm.graph.nodes if n.op == "placeholder")
+    return any(isinstance(val, torch.Tensor) and any(map(is_symbolic_size, val.shape)) for val in _input_values(gm))
 
 
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        if is_symbolic_size(val) or (isinstance(val, torch.Tensor) and any(map(is_symbolic_size, val.shape))):
-            return True
-    return False
+    """Whether a tensor input has a symbolic size or a SymInt input is symbolic."""
+    return _has_symbolic_tensor_sizes(gm) or any(map(is_symbolic_size, _input_values(gm)))
 
 
 def _output_specs(gm: fx.GraphModule) -> list | None:
