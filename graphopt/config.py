@@ -32,7 +32,7 @@ class Options:
 
     target: str = _opt("auto", "where the optimized graph runs; auto picks from the hardware present", TARGETS)
     provider: str = _opt("cpu", "ONNX Runtime execution provider (target=onnxruntime)", PROVIDERS)
-    lazy_recompiles: bool = _opt(True, "target=onnxruntime: a static graph dynamo compiles again runs on torch at its first call and builds its session at its second (a one-shape graph, such as model.generate's first decode step, never builds)")
+    lazy_recompiles: bool = _opt(True, "target=onnxruntime: a graph dynamo compiles again with static tensor shapes runs on torch at its first call and builds its session at its second (a one-shape graph, such as model.generate's first decode step, never builds)")
     inductor: bool = _opt(True, "target=triton: compile the ops around graphopt's Triton kernels with Inductor; false runs them eagerly")
     fallback: str = _opt("eager", "on a failing pass or target: 'eager' skips it with a warning, 'error' raises", FALLBACKS)
     pipeline: list = _opt([], "pass names to run instead of the default pipeline, in order")

@@ -137,8 +137,8 @@ def note_added_guards(report: CompileReport, guards: Sequence[Any]) -> None:
         if text not in report.notes:
             report.notes.append(text)
             added.append((text, where))
-    # One line per graph: a 30-layer decoder adds one such guard per layer (attention's k and
-    # v lengths), and thirty identical warnings bury everything else in the log.
+    # One line per graph: a pass that compares a size in every layer adds thirty guards to a
+    # 30-layer decoder, and thirty identical warnings would bury everything else in the log.
     if len(added) == 1:
         log.warning("graphopt: %s", added[0][0])
     elif added:

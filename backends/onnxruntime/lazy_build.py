@@ -52,7 +52,7 @@ class BuildOnSecondCall:
         if self.first is not None:
             first, self.first = self.first, None
             return first(*args)
-        log.info("graphopt: onnxruntime builds a recompiled static graph at its second call")
+        log.info("graphopt: onnxruntime builds a recompiled graph at its second call")
         self.built = self.build(list(args))  # the call's own tensors: this graph's only shape
         return self.built(*args)
 

@@ -37,7 +37,7 @@ from graphopt import report as reports
 from graphopt.backends.onnxruntime import reuse
 from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
-from graphopt.backends.onnxruntime.lazy_build import INTS_NOTE, BuildOnSecondCall, build_on_second_call
+from graphopt.backends.onnxruntime.lazy_build import INTS_NOTE, NOTE, BuildOnSecondCall, build_on_second_call
 from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.ir import is_symbolic_size
 
@@ -79,14 +79,14 @@ class OnnxRuntimeTarget:
             if inputs is None:
                 return _per_signature(gm, config.provider, "its inputs carry no example values")
             if config.lazy_recompiles and _recompiled():
-                return _retirable(gm, config.provider, _compile_at_second_call(gm, config.provider))
+                return _retirable(gm, config.provider, _compile_at_second_call(gm, _static_build(gm, config.provider)))
             return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
         if config.lazy_recompiles and _recompiled() and not _has_symbolic_tensor_sizes(gm):
             # Only int inputs are symbolic (a sliding-window cache's counters, which dynamo made
             # dynamic when they changed): its tensors have one shape, and like a static
             # recompile it is most often called once (Gemma 3's first decode step).
-            return build_on_second_call(gm, _symbolic_build_at_call(gm, config.provider, reports.current_report()),
-                                        _laid_out_as_session(gm), INTS_NOTE)
+            build = lambda args, report: _compile_symbolic(gm, config.provider, report)  # noqa: E731
+            return _compile_at_second_call(gm, build, INTS_NOTE)
         return _compile_symbolic(gm, config.provider)
 
 
@@ -96,34 +96,29 @@ def _recompiled() -> bool:
     return report is not None and report.recompile_reason is not None
 
 
-def _compile_at_second_call(gm: fx.GraphModule, provider: str) -> Callable:
+def _compile_at_second_call(gm: fx.GraphModule, build: Callable[[list, Any], Callable], note: str = NOTE) -> Callable:
+    """``gm`` on torch for its first call, then ``build(args, report)`` (lazy_build.py)."""
     # The report is gone from the context by the second call: the build is recorded on it.
-    return build_on_second_call(gm, _static_build_at_call(gm, provider, reports.current_report()),
-                                _laid_out_as_session(gm))
+    return build_on_second_call(gm, _build_at_call(build, reports.current_report()), _laid_out_as_session(gm), note)
 
 
-def _static_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable[[list], Callable]:
-    """``build(args)``: ``gm``'s static session, made during a call with that call's tensors."""
-    def build(args: list) -> Callable:
-        # In a fresh thread: a call runs inside aot_autograd's runtime wrapper, whose
-        # thread-local dispatch state breaks the export (as for PerSignature).
+def _static_build(gm: fx.GraphModule, provider: str) -> Callable[[list, Any], Callable]:
+    return lambda args, report: _compile_static(gm, args, provider, report)
+
+
+def _build_at_call(build: Callable[[list, Any], Callable], report) -> Callable[[list], Callable]:
+    """``build(args, report)`` run during a call, with that call's tensors. In a fresh thread:
+    a call runs inside aot_autograd's runtime wrapper, whose thread-local dispatch state breaks
+    the export (as for PerSignature). What the build has to say goes into the report itself:
+    compile time, when the core copies a callable's notes, has passed."""
+    def at_call(args: list) -> Callable:
         with ThreadPoolExecutor(max_workers=1) as pool:
-            return pool.submit(_compile_static, gm, args, provider, report).result()
-
-    return build
-
-
-def _symbolic_build_at_call(gm: fx.GraphModule, provider: str, report) -> Callable[[list], Callable]:
-    """``build(args)``: ``gm``'s dynamic session, made during a call; what the build has to
-    say goes into the report itself (compile time, when the core copies notes, has passed)."""
-    def build(args: list) -> Callable:
-        with ThreadPoolExecutor(max_workers=1) as pool:  # as _static_build_at_call
-            built = pool.submit(_compile_symbolic, gm, provider, report).result()
+            built = pool.submit(build, args, report).result()
         if report is not None:
             report.notes.extend(getattr(built, "graphopt_notes", ()))
         return built
 
-    return build
+    return at_call
 
 
 def _input_values(gm: fx.GraphModule) -> list:
@@ -228,7 +223,7 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Callabl
 
 def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
     """A released static graph's stand-in: it builds the graph's own session at its next call."""
-    return BuildOnSecondCall(None, _static_build_at_call(earlier.gm, earlier.provider, earlier.report))
+    return BuildOnSecondCall(None, _build_at_call(_static_build(earlier.gm, earlier.provider), earlier.report))
 
 
 def _retirable(gm: fx.GraphModule, provider: str, run: Callable, report=None) -> Callable:
