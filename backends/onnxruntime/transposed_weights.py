@@ -1,0 +1,127 @@
+"""Multiply by a weight's transpose without a transposed copy of the weight.
+
+A Linear's weight is [out, in] in torch; ``x @ W.t()`` exports as ``MatMul(x, B)`` with B the
+transposed view, [in, out]. ORT reads row-major buffers, so handing B to a session meant a
+contiguous copy of every such weight first (``weights_in_memory.py``), which ORT then copied
+again into the session and prepacked: three copies of the weights alive while a session
+opened. On SmolLM2 the copies alone were 415-550 MB of the compile's peak.
+
+ONNX Runtime's ``FusedMatMul`` (com.microsoft) takes ``transB=1`` and packs B from the
+[out, in] buffer directly, as its MatMul kernel does from [in, out] (one MLAS kernel, the same
+prepacked layout, so the same speed: measured equal at 1 and 64 rows). So, in the bytes a CPU
+session is made from, and only there:
+
+- an initializer stored as the transposed view of a row-major tensor, read only as the B of
+  MatMuls, is handed over as that row-major tensor and those MatMuls become
+  ``FusedMatMul(transB=1)``;
+- ``MatMul(x, Transpose(W))`` with W a 2-D initializer (a tied LM head reading the embedding
+  table) becomes ``FusedMatMul(x, W, transB=1)``, where ORT would otherwise fold the Transpose
+  into one more copy of the table.
+
+A MatMul whose output feeds an Add keeps its form: ORT fuses MatMul + Add into Gemm (the bias
+in the GEMM's epilogue), which it does not do for FusedMatMul. Saved files (``graphopt
+export``) are not rewritten: they stay plain ONNX for every runtime.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Iterable
+
+MS_DOMAIN = "com.microsoft"
+
+
+def transposed_matmul_weights(graph: Any) -> set[str]:
+    """Names of the 2-D initializers of an onnx_ir ``graph`` whose every use is the B input of
+    a MatMul of this graph (not a subgraph's) whose output no Add reads."""
+    names = set()
+    for name, value in graph.initializers.items():
+        uses, tensor = value.uses(), value.const_value
+        if tensor is None or len(tensor.shape) != 2 or not uses or value.is_graph_output() or value.is_graph_input():
+            continue
+        if all(_is_plain_matmul(node) and index == 1 and node.graph is graph and not _feeds_add(node)
+               for node, index in uses):
+            names.add(name)
+    return names
+
+
+def _is_plain_matmul(node: Any) -> bool:
+    return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
+
+
+def _feeds_add(node: Any) -> bool:
+    return any(use.op_type == "Add" for out in node.outputs for use, _ in out.uses())
+
+
+def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opset_import: Any) -> int:
+    """Rewrite a GraphProto in place: the initializers in ``flipped`` now hold their
+    transposes (shape given), so their MatMuls become FusedMatMul(transB=1); and
+    MatMul(x, Transpose(W)) of a 2-D initializer W becomes FusedMatMul(x, W, transB=1).
+    Returns how many MatMuls changed."""
+    initializers = {t.name: t for t in graph.initializer}
+    for name, shape in flipped.items():
+        tensor = initializers[name]
+        del tensor.dims[:]
+        tensor.dims.extend(shape)
+    # a value_info naming a flipped initializer would contradict its new dims
+    kept = [v for v in graph.value_info if v.name not in flipped]
+    del graph.value_info[:]
+    graph.value_info.extend(kept)
+
+    readers = defaultdict(list)  # value name -> the nodes of this graph that read it
+    for node in graph.node:
+        for name in node.input:
+            readers[name].append(node)
+    transposes = {node.output[0] for node in graph.node if _is_foldable_transpose(node, initializers)}
+    producer = {node.output[0]: node for node in graph.node if node.output}
+
+    changed = 0
+    for node in graph.node:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+            continue
+        b = node.input[1]
+        if b in flipped:  # every reader of b is such a MatMul (transposed_matmul_weights)
+            _to_fused_transposed(node, b)
+            changed += 1
+        elif b in transposes and not any(r.op_type == "Add" for out in node.output for r in readers[out]):
+            _to_fused_transposed(node, producer[b].input[0])
+            changed += 1
+    # A Transpose no one reads any more goes, or ORT would still fold it into a copy.
+    read = {name for node in graph.node for name in node.input} | set(_subgraph_inputs(graph.node))
+    read |= {v.name for v in graph.output}
+    kept = [node for node in graph.node if not (node.output and node.output[0] in transposes
+                                                and node.output[0] not in read)]
+    if len(kept) != len(graph.node):
+        del graph.node[:]
+        graph.node.extend(kept)
+    if changed and not any(o.domain == MS_DOMAIN for o in opset_import):
+        entry = opset_import.add()
+        entry.domain, entry.version = MS_DOMAIN, 1
+    return changed
+
+
+def _is_foldable_transpose(node: Any, initializers: dict) -> bool:
+    if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
+        return False
+    source = initializers.get(node.input[0])
+    perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+    return source is not None and len(source.dims) == 2 and perm in (None, [1, 0])
+
+
+def _to_fused_transposed(node: Any, weight: str) -> None:
+    from onnx import helper
+
+    node.op_type, node.domain = "FusedMatMul", MS_DOMAIN
+    node.input[1] = weight
+    node.attribute.append(helper.make_attribute("transB", 1))
+
+
+def _subgraph_inputs(nodes: Iterable[Any]) -> Iterable[str]:
+    """Every value name read inside the subgraphs (If / Loop bodies) of ``nodes``."""
+    for node in nodes:
+        for attribute in node.attribute:
+            graphs = list(attribute.graphs) + ([attribute.g] if attribute.HasField("g") else [])
+            for sub in graphs:
+                for inner in sub.node:
+                    yield from inner.input
+                yield from _subgraph_inputs(sub.node)
