@@ -85,15 +85,18 @@ def test_matmul_of_a_transposed_initializer_reads_the_initializer_and_the_transp
     np.testing.assert_allclose(_run(proto, feeds)[0], want, rtol=1e-6, atol=1e-6)
 
 
+def _matmul_by_transpose_then(node, extra_initializers, outputs) -> onnx.ModelProto:
+    """y = x @ Transpose(w), x [2, 4], w [6, 4]; then ``node``."""
+    w = np.random.default_rng(1).standard_normal((6, 4)).astype(np.float32)
+    return _model([helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
+                   helper.make_node("MatMul", ["x", "w_t"], ["y"]), node],
+                  [numpy_helper.from_array(w, "w"), *extra_initializers], [_value("x", [2, 4])], outputs)
+
+
 def test_a_transpose_read_by_another_op_stays_for_it():
-    rng = np.random.default_rng(1)
-    w = rng.standard_normal((6, 4)).astype(np.float32)
-    proto = _model(
-        [helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
-         helper.make_node("MatMul", ["x", "w_t"], ["y"]),
-         helper.make_node("Relu", ["w_t"], ["r"])],
-        [numpy_helper.from_array(w, "w")], [_value("x", [2, 4])], [_value("y", [2, 6]), _value("r", [4, 6])])
-    feeds = {"x": rng.standard_normal((2, 4)).astype(np.float32)}
+    proto = _matmul_by_transpose_then(helper.make_node("Relu", ["w_t"], ["r"]), [],
+                                      [_value("y", [2, 6]), _value("r", [4, 6])])
+    feeds = {"x": np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)}
     want = _run(proto, feeds)
     assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 1
     assert _ops(proto) == ["Transpose", "FusedMatMul", "Relu"]
@@ -102,14 +105,8 @@ def test_a_transpose_read_by_another_op_stays_for_it():
 
 
 def test_a_matmul_that_feeds_an_add_keeps_its_form_for_orts_gemm_fusion():
-    rng = np.random.default_rng(2)
-    w = rng.standard_normal((6, 4)).astype(np.float32)
-    proto = _model(
-        [helper.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
-         helper.make_node("MatMul", ["x", "w_t"], ["y"]),
-         helper.make_node("Add", ["y", "b"], ["z"])],
-        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.ones(6, np.float32), "b")],
-        [_value("x", [2, 4])], [_value("z", [2, 6])])
+    proto = _matmul_by_transpose_then(helper.make_node("Add", ["y", "b"], ["z"]),
+                                      [numpy_helper.from_array(np.ones(6, np.float32), "b")], [_value("z", [2, 6])])
     assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 0
     assert _ops(proto) == ["Transpose", "MatMul", "Add"]
     assert not any(o.domain == "com.microsoft" for o in proto.opset_import)
