@@ -48,20 +48,28 @@ def _dims(entry: dict) -> list[int]:
 
 
 def gemm_label(op: str, args: dict, shapes: Shapes) -> str:
-    """A MatMulNBits / MatMul event's layer kind from its input shapes and attributes."""
+    """A MatMulNBits / MatMul / FusedMatMul event's layer kind from its input shapes and
+    attributes. A FusedMatMul that multiplies a weight is graphopt's fp32 Linear read
+    transposed (transposed_weights.py), the same MLAS GEMM as a MatMul, so it is labelled
+    as one; any other FusedMatMul is ORT's scaled attention product."""
     inputs = args.get("input_type_shape", [])
     outputs = args.get("output_type_shape", [])
     a, out = (_dims(inputs[0]) if inputs else []), (_dims(outputs[0]) if outputs else [])
     if len(a) < 2 or not out:
         return op
     k, n = a[-1], out[-1]
-    h, kv, i, v = shapes.hidden, shapes.kv, shapes.intermediate, shapes.vocab
-    kinds = {(h, h + 2 * kv): "qkv (merged)", (h, kv): "k or v", (h, h): "q or o", (h, v): "head",
-             (h, 2 * i): "gate+up (merged)", (h, i): "gate or up", (i, h): "down"}
-    kind = kinds.get((k, n))
+    if op == "FusedMatMul":
+        op = "MatMul" if (k, n) in _weight_kinds(shapes) else "FusedMatMul"
+    kind = _weight_kinds(shapes).get((k, n))
     if kind is None:
-        return f"{op} attention" if op == "MatMul" else f"{op} {k}x{n}"
+        return f"{op} attention" if op == "MatMul" else op if op == "FusedMatMul" else f"{op} {k}x{n}"
     return f"{op} {kind}"
+
+
+def _weight_kinds(shapes: Shapes) -> dict[tuple[int, int], str]:
+    h, kv, i, v = shapes.hidden, shapes.kv, shapes.intermediate, shapes.vocab
+    return {(h, h + 2 * kv): "qkv (merged)", (h, kv): "k or v", (h, h): "q or o", (h, v): "head",
+            (h, 2 * i): "gate+up (merged)", (h, i): "gate or up", (i, h): "down"}
 
 
 def summarize(trace_path: str, shapes: Shapes, period: int | None,
@@ -89,7 +97,7 @@ def summarize(trace_path: str, shapes: Shapes, period: int | None,
         if op == "If":
             continue
         run = bisect.bisect_right(starts, e["ts"]) - 1
-        label = gemm_label(op, e["args"], shapes) if op in ("MatMulNBits", "MatMul") else op
+        label = gemm_label(op, e["args"], shapes) if op in ("MatMulNBits", "MatMul", "FusedMatMul") else op
         if op == "MatMulNBits":
             label += f" {bits.get(e['name'][: -len('_kernel_time')], '?')}-bit"
         target = prompt if period and run % period == 0 else steps
