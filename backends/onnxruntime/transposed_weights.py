@@ -19,7 +19,8 @@ session is made from, and only there:
   into one more copy of the table.
 
 A MatMul whose output feeds an Add keeps its form: ORT fuses MatMul + Add into Gemm (the bias
-in the GEMM's epilogue), which it does not do for FusedMatMul. Saved files (``graphopt
+in the GEMM's epilogue), which it does not do for FusedMatMul. Only float32 weights are read
+this way: FusedMatMul's CPU kernel is float32's (ORT casts around it for other types). Saved files (``graphopt
 export``) are not rewritten: they stay plain ONNX for every runtime.
 """
 
@@ -32,12 +33,15 @@ MS_DOMAIN = "com.microsoft"
 
 
 def transposed_matmul_weights(graph: Any) -> set[str]:
-    """Names of the 2-D initializers of an onnx_ir ``graph`` whose every use is the B input of
-    a MatMul of this graph (not a subgraph's) whose output no Add reads."""
+    """Names of the 2-D float32 initializers of an onnx_ir ``graph`` whose every use is the B
+    input of a MatMul of this graph (not a subgraph's) whose output no Add reads."""
+    import onnx_ir as ir
+
     names = set()
     for name, value in graph.initializers.items():
         uses, tensor = value.uses(), value.const_value
-        if tensor is None or len(tensor.shape) != 2 or not uses or value.is_graph_output() or value.is_graph_input():
+        if (tensor is None or tensor.dtype != ir.DataType.FLOAT or len(tensor.shape) != 2 or not uses
+                or value.is_graph_output() or value.is_graph_input()):
             continue
         if all(_is_plain_matmul(node) and index == 1 and node.graph is graph and not _feeds_add(node)
                for node, index in uses):
@@ -101,11 +105,14 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
 
 
 def _is_foldable_transpose(node: Any, initializers: dict) -> bool:
+    from onnx import TensorProto
+
     if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
         return False
     source = initializers.get(node.input[0])
     perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-    return source is not None and len(source.dims) == 2 and perm in (None, [1, 0])
+    return (source is not None and source.data_type == TensorProto.FLOAT and len(source.dims) == 2
+            and perm in (None, [1, 0]))
 
 
 def _to_fused_transposed(node: Any, weight: str) -> None:

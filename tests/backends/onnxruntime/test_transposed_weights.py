@@ -156,3 +156,18 @@ def test_a_flipped_initializer_gets_its_new_dims_and_loses_a_contradicting_value
     assert multiply_by_transposes(proto.graph, {"w": (3, 5)}, proto.opset_import) == 1
     assert list(proto.graph.initializer[0].dims) == [3, 5] and not proto.graph.value_info
     np.testing.assert_allclose(_run(proto, feeds)[0], want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_weight_that_is_not_float32_keeps_its_matmul():
+    """FusedMatMul's CPU kernel is float32's; other types keep MatMul as before."""
+    w16 = np.zeros((4, 4), np.float16)
+    nodes = [helper.make_node("MatMul", ["x", "w16"], ["y"]),
+             helper.make_node("Transpose", ["w16"], ["w16_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "w16_t"], ["z"])]
+    x16 = helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 4])
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT16, [2, 4]) for n in ("y", "z")]
+    graph = _ir_graph(nodes[:1], [numpy_helper.from_array(w16, "w16")], [x16], outputs[:1])
+    assert transposed_matmul_weights(graph) == set()
+    proto = _model(nodes[1:], [numpy_helper.from_array(w16, "w16")], [x16], outputs[1:])
+    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 0
+    assert _ops(proto) == ["Transpose", "MatMul"]
