@@ -50,6 +50,7 @@ def transposed_matmul_weights(graph: Any) -> set[str]:
 
 
 def _is_plain_matmul(node: Any) -> bool:
+    """An ONNX-domain MatMul (an onnx_ir Node or a NodeProto)."""
     return node.op_type == "MatMul" and node.domain in ("", "ai.onnx")
 
 
@@ -81,7 +82,7 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
 
     changed = 0
     for node in graph.node:
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        if not _is_plain_matmul(node) or len(node.input) != 2:
             continue
         b = node.input[1]
         if b in flipped:  # every reader of b is such a MatMul (transposed_matmul_weights)
