@@ -95,7 +95,7 @@ def store(key: str, onnx_model) -> tuple[Path | None, str]:
     if folder is None:
         return None, "the decoder cache is off (GRAPHOPT_CACHE_DIR=off)"
     final = folder / key
-    problem = write_entry(final, lambda staging: onnx_model.save(staging / "model.onnx"))
+    problem = write_entry(final, lambda staging: onnx_model.save(staging / "model.onnx", external_data=True))
     if problem:
         return None, f"could not keep the exported decoder in {folder}: {problem}"
     evict_lru(folder, final, KEEP_BYTES)

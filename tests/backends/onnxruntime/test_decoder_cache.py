@@ -70,6 +70,22 @@ def test_a_damaged_entry_is_exported_again_and_replaced(cache, model):
     assert any("loaded the decoder" in n for n in _decode(model).notes)
 
 
+def test_an_entry_keeps_its_weights_beside_the_model(cache, model):
+    """Raw tensor bytes in model.onnx.data: writing them inline (one protobuf message) took
+    SmolLM2's first run 10 s longer. A truncated data file is exported again, like a damaged model."""
+    first = _decode(model)
+    (entry,) = cache.iterdir()
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    data = entry / "model.onnx.data"
+    assert data.stat().st_size > weights / 2, (data.stat().st_size, weights)
+    assert (entry / "model.onnx").stat().st_size < data.stat().st_size / 4  # the graph, small constants
+    with data.open("r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    again = _decode(model)
+    assert any("did not load" in n for n in again.notes), again.notes
+    assert torch.equal(again.sequences, first.sequences)
+
+
 def test_off_keeps_nothing(monkeypatch, tmp_path, model):
     monkeypatch.setenv("GRAPHOPT_CACHE_DIR", "off")
     assert decoder_cache.cache_dir() is None
@@ -82,7 +98,7 @@ def test_least_recently_used_entries_go_over_the_size_limit(cache, monkeypatch, 
         def __init__(self, size):
             self.size = size
 
-        def save(self, path):
+        def save(self, path, external_data=None):
             path.write_bytes(b"x" * self.size)
 
     monkeypatch.setattr(decoder_cache, "KEEP_BYTES", 250)
@@ -96,7 +112,7 @@ def test_least_recently_used_entries_go_over_the_size_limit(cache, monkeypatch, 
 def test_a_decoder_that_cannot_be_kept_still_decodes(cache, model, monkeypatch):
     from graphopt.backends.onnxruntime.export import OnnxModel
 
-    def refuse(self, path):
+    def refuse(self, path, external_data=None):
         raise ValueError("planted: cannot serialize")
 
     monkeypatch.setattr(OnnxModel, "save", refuse)
