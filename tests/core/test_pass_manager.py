@@ -180,3 +180,62 @@ def test_a_pass_that_breaks_metadata_is_rejected_by_verify():
     result = PassManager([DropsMeta()]).run(gm, PassContext(Options(), inputs))
     assert result.records[0].status == "failed" and "has no meta['val']" in result.records[0].error
     assert all("val" in n.meta for n in result.gm.graph.nodes if n.op != "output")  # old graph kept
+
+
+@dataclass
+class FailsHalfWay:
+    """A broken pass: adds a node to the graph, then raises."""
+
+    name: str = "fails_half_way"
+    summary: str = "edits, then raises (tests)"
+    Options: type = NoOptions
+    requires: tuple = ()
+
+    def run(self, gm, ctx):
+        output = gm.graph.output_node()
+        with gm.graph.inserting_before(output):
+            gm.graph.call_function(torch.ops.aten.neg.default, (output.args[0][0],))
+        raise RuntimeError("planted half-way failure")
+
+
+def _node_targets(gm):
+    return [str(n.target) for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("instrumented", [False, True])
+def test_a_pass_that_fails_half_way_is_skipped_and_its_edits_are_gone(instrumented, caplog):
+    """Uninstrumented passes share one copy, so the failure is found there and the pipeline
+    runs again with a copy per pass: the result, records and rewrites are those of one run."""
+    gm, inputs = _graph()
+    before = _node_targets(gm)
+    instruments = [PrintIR()] if instrumented else []
+    manager = PassManager([get_pass("fuse_rms_norm"), FailsHalfWay(), AddsZero()], instruments)
+    with caplog.at_level("WARNING", logger="graphopt"):
+        result = manager.run(gm, PassContext(Options(), inputs))
+    assert [r.status for r in result.records] == ["changed", "failed", "changed"]
+    assert "planted half-way failure" in result.records[1].error
+    assert [f["where"] for f in result.fallbacks] == ["pass:fails_half_way"]
+    assert [r.index for r in result.rewrites] == [1, 2]  # fuse_rms_norm's two, counted once
+    targets = _node_targets(result.gm)
+    assert "aten.neg.default" not in targets and targets.count("graphopt.rms_norm.default") == 2
+    assert "aten.add.Tensor" in targets  # the pass after the failure ran
+    assert _node_targets(gm) == before  # the caller's graph is untouched
+    assert sum("fails_half_way failed" in r.message for r in caplog.records) == 1
+    x = inputs[0]
+    torch.testing.assert_close(result.gm(x)[0], gm(x)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_uninstrumented_passes_share_one_copy_of_the_graph(monkeypatch):
+    from graphopt import ir
+
+    copies = []
+    real = ir.copy_graph_module
+    monkeypatch.setattr(ir, "copy_graph_module", lambda gm: copies.append(gm) or real(gm))
+    gm, inputs = _graph()
+    before = _node_targets(gm)
+    result = PassManager([get_pass(p) for p in ("canonicalize", "fuse_rms_norm")]).run(gm, PassContext(Options(), inputs))
+    assert len(copies) == 1 and result.records[1].status == "changed"
+    assert _node_targets(gm) == before
+    copies.clear()
+    PassManager([get_pass(p) for p in ("canonicalize", "fuse_rms_norm")], [PrintIR()]).run(*_graph()[:1], PassContext(Options(), inputs))
+    assert len(copies) == 2  # instrumented: one a pass, as PrintIR's diffs need the graph before
