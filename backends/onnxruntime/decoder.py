@@ -213,6 +213,7 @@ class OrtRunner:
         if not self.pads:
             self._export_pair(input_ids)
         self.compile_s = time.perf_counter() - start
+        self.compile_stages = dict(self.export_result.stages_s)  # torch.export, passes, onnx export, session, ...
         self.compiles = self.prefill_compiles = 1  # one model serves every step (dynamic axes)
         self.notes += [f"export: {f['where']}: {f['reason']}" for f in self.export_result.fallbacks]
 

@@ -35,7 +35,8 @@ def generate(
     option: list[str] = typer.Option([], "--option", "-o", help="a backend option as key=value (repeatable); see "
                                      "`graphopt options`"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: target, prefill_ms, ms_per_token, outputs "
-                                  "[{prompt, text, token_ids}] (token_ids: the new tokens only)"),
+                                  "[{prompt, text, token_ids}] (token_ids: the new tokens only), compile_s and "
+                                  "compile_stages (seconds per build stage, where the target times them)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo, 1 thread each); each decodes its shard and "
                            "is compared with the unsharded model's tokens (JSON: tokens_match_tp1, ranks)"),
 ) -> None:
@@ -86,7 +87,8 @@ def generate(
     outputs = [{"prompt": p, "text": tokenizer.decode(out.token_ids(i), skip_special_tokens=True),
                 "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
     summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
-               "outputs": outputs, "compile_s": out.compile_s, "fallback": out.fallback, "notes": out.notes}
+               "outputs": outputs, "compile_s": out.compile_s, "compile_stages": out.compile_stages,
+               "fallback": out.fallback, "notes": out.notes}
     if json_out:
         print_json(summary)
         return
@@ -132,13 +134,20 @@ class _Stream:
         self.shown = text
 
 
+def _stages(seconds: dict[str, float]) -> str:
+    """`` (torch.export 23.8, passes 2.1, ...)``: where a first run's compile time went."""
+    shown = [f"{name} {s:.1f}" for name, s in seconds.items() if s >= 0.05]
+    return f" ({', '.join(shown)})" if shown else ""
+
+
 def _print_summary(summary: dict, batch: int) -> None:
     steps = summary["ms_per_token"]
     per_token = statistics.median(steps) if steps else None
     rate = f"{batch * 1e3 / per_token:.1f} tokens/s" if per_token else "no decode steps"
     line = (f"target {summary['target']} · prefill {summary['prefill_ms']:.1f} ms · "
             + (f"{per_token:.2f} ms/token (median) · " if per_token else "") + rate
-            + (f" (batch {batch})" if batch > 1 else "") + f" · compile {summary['compile_s']:.1f} s")
+            + (f" (batch {batch})" if batch > 1 else "") + f" · compile {summary['compile_s']:.1f} s"
+            + _stages(summary["compile_stages"]))
     console.print(line, highlight=False)
     if summary["fallback"]:
         console.print(f"[yellow]fallback[/] {summary['fallback']}")

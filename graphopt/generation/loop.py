@@ -38,6 +38,7 @@ class GenerateResult:
     compiles: int = 0  # graph compilations during the decode steps
     prefill_compiles: int = 0
     compile_s: float = 0.0  # wall time of all compilations / exports (prefill and decode)
+    compile_stages: dict[str, float] = field(default_factory=dict)  # seconds per build stage, where a runner times them
     fallback: str | None = None  # why decoding ran eagerly, if it did
     cuda_graphs: str = ""  # what CUDA graph capture did, or why not
     reports: list[CompileReport] = field(default_factory=list)
@@ -131,6 +132,7 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
         result.new_lengths = lane.lengths.tolist()
         result.compiles, result.prefill_compiles = runner.compiles, runner.prefill_compiles
         result.compile_s, result.cuda_graphs = runner.compile_s, runner.cuda_graphs
+        result.compile_stages = dict(getattr(runner, "compile_stages", {}))
         result.reports, result.notes = list(runner.reports), list(getattr(runner, "notes", []))
     return [lane.result for lane in lanes]
 
@@ -152,5 +154,5 @@ def merge_groups(input_ids: Tensor, groups: list[tuple[list[int], GenerateResult
             steps[k] += ms
     last = groups[-1][1]
     return GenerateResult(torch.cat([input_ids, new], dim=1), prompt, steps, sum(r.prefill_ms for _, r in groups),
-                            last.compiles, last.prefill_compiles, last.compile_s, last.fallback, last.cuda_graphs,
-                            last.reports, last.target, lengths, list(last.notes))
+                            last.compiles, last.prefill_compiles, last.compile_s, dict(last.compile_stages),
+                            last.fallback, last.cuda_graphs, last.reports, last.target, lengths, list(last.notes))

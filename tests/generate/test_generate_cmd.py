@@ -49,6 +49,8 @@ def test_three_prompts_in_one_call_each_equal_to_its_prompt_alone(checkpoint, ta
         assert item["token_ids"] == alone(checkpoint, prompt, 5)  # new tokens only, each as if alone
         assert item["text"] == text_model.tokenizer().decode(item["token_ids"], skip_special_tokens=True)
     assert data["prefill_ms"] > 0 and all(ms > 0 for ms in data["ms_per_token"])
+    if target == "onnxruntime":  # the decoder's build, stage by stage (exported, or loaded from the cache)
+        assert "session" in data["compile_stages"] and sum(data["compile_stages"].values()) <= data["compile_s"]
 
 
 def test_text_mode_streams_the_prompt_and_prints_a_summary(checkpoint):

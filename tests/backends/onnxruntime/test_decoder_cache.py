@@ -45,6 +45,11 @@ def test_a_second_runner_loads_the_kept_decoder(cache, model):
     assert any("loaded the decoder exported by an earlier run" in n for n in second.notes), second.notes
     assert torch.equal(second.sequences, first.sequences)
     assert torch.equal(second.sequences, eager_generate(model, IDS, 5).sequences)
+    # Where each run's compile time went: the export's stages, then only the key and the session.
+    assert {"torch.export", "passes", "onnx export", "session", "cache store"} <= set(first.compile_stages)
+    assert "torch.export" not in second.compile_stages and "session" in second.compile_stages
+    for out in (first, second):
+        assert 0 < sum(out.compile_stages.values()) <= out.compile_s
 
 
 def test_other_weights_or_options_export_again(cache, model):
