@@ -101,7 +101,6 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
     """
     from graphopt import ir
-    from graphopt.backends.onnxruntime.attention_layout import tidy_attention_layout
 
     prefill_path, step_path = tool.check_destination(path, force), tool.check_destination(decode_path(path), force)
     config = tool.pipeline_options(config, int4)
@@ -116,7 +115,6 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     prefill, prefill_result = tool.optimize_and_export(
         prefill_step, (prompt,), config, timer, axis_names=[{0: "batch", 1: "sequence"}],
         input_names=["input_ids"], output_names=["logits", *present], opset=opset)
-    tidy_attention_layout(prefill.model)
     with timer("save"):
         prefill_files = tool.save_atomically(prefill, prefill_path)
 
@@ -127,7 +125,6 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
         axis_names=[{0: "batch"}, *[cache_axes] * len(flat_cache)],
         input_names=["input_ids", *_cache_names(layers, "past")], output_names=["logits", *present],
         opset=opset, dynamic_shapes=(dims[0], tuple(dims[1:])))
-    tidy_attention_layout(step.model)
     with timer("save"):
         step_files = tool.save_atomically(step, step_path)
 

@@ -36,20 +36,17 @@ def _random_feeds(session_bytes: bytes, batch: int = 3, length: int = 6) -> dict
 
 @pytest.fixture(scope="module")
 def tidied_pair(tmp_path_factory):
-    """llama-tiny's prefill/decode pair, with each model as it was before the tidy-up."""
-    before = []
-    real = attention_layout.tidy_attention_layout
-
-    def keep(model):
-        before.append(ir.to_proto(model).SerializeToString())
-        return real(model)
-
+    """llama-tiny's prefill/decode pair, and the bytes of the same two models exported with
+    the tidy-up turned off (as they were before it)."""
     model = models.build("llama-tiny", seed=0).eval()
-    path = tmp_path_factory.mktemp("pair") / "model.onnx"
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
+    untidy = tmp_path_factory.mktemp("untidy") / "model.onnx"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_layout, "tidy_attention_layout", keep)
-        result = export_kv_cache(model, prompt, path, config=Options())
+        patch.setattr(attention_layout, "tidy_attention_layout", lambda model: {})
+        export_kv_cache(model, prompt, untidy, config=Options(), validate_model=False)
+    before = [untidy.read_bytes(), decode_path(untidy).read_bytes()]
+    path = tmp_path_factory.mktemp("pair") / "model.onnx"
+    result = export_kv_cache(model, prompt, path, config=Options())
     return before, path, result
 
 
