@@ -226,7 +226,7 @@ class PassManager:
         return PipelineResult(gm, records, near_misses, fallbacks, list(ctx.rewrites))
 
     def _run_one(self, p: Pass, gm: fx.GraphModule, ctx: PassContext, record: PassRecord,
-                 near_misses: list, fallbacks: list, copy_each: bool = True) -> fx.GraphModule:
+                 near_misses: list, fallbacks: list, copy_each: bool) -> fx.GraphModule:
         for inst in self.instruments:
             inst.before_pass(p, gm, ctx)
         work = ir.copy_graph_module(gm) if copy_each else gm

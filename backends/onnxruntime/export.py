@@ -120,7 +120,7 @@ class OnnxModel:
         ``external_data`` is true, or (None) when they are over 2 GB, protobuf's limit. Writing
         them outside the protobuf is also several times faster: onnx_ir writes each tensor's
         bytes as they lie, where an inline model is serialized into one message first (SmolLM2-135M's
-        fp32 decoder: about 10 s inline)."""
+        fp32 decoder: about 9 s inline, 3.6 s outside)."""
         import onnx_ir as ir
 
         path = os.fspath(path)

@@ -145,7 +145,8 @@ def optimize_and_export(module: torch.nn.Module, args: Sequence[torch.Tensor], c
     with timer("onnx export"):
         # No onnxscript pattern rewrites, as for the sessions graphopt builds itself: on SmolLM2-135M
         # they took 20 of the export's 24 s, and every runtime's loader optimizes the graph
-        # anyway. The attention layout tidy-up leaves fewer nodes than they did (1196 against 1245).
+        # anyway. The attention layout tidy-up and constant folding leave fewer nodes than they
+        # did (513 against 1816), with the same outputs.
         model = export_graph(result.gm, program.example_inputs, opset=opset, input_names=input_names,
                              output_names=output_names, axis_names=axis_names, rewrite=False, tidy_attention=True)
     return model, result

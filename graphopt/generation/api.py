@@ -164,9 +164,8 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
             mine = results[0]
             mine.compiles, mine.prefill_compiles = mine.compiles - before[0], mine.prefill_compiles - before[1]
             mine.compile_s -= before[2]
-            if reused:  # its stages are the earlier call's build
-                mine.compile_stages = {}
             if reused:
+                mine.compile_stages = {}  # its stages are the earlier call's build
                 mine.notes.append("reused the step runner an earlier generate call compiled for this model")
             if config.int4 and mine.target == "eager":
                 from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
