@@ -168,7 +168,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     # Attention's layout round trips go, which ORT's optimizer leaves (export_graph's docstring).
     with ThreadPoolExecutor(max_workers=1) as pool:
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
-                            scalars=scalars or (), rewrite=False, tidy_attention=True).result()
+                            scalars=scalars or (), tidy_attention=True).result()
     exported = time.perf_counter()
     session = create_session(model, provider, arena=not dynamic if arena is None else arena)
     done = time.perf_counter()

@@ -148,7 +148,7 @@ def optimize_and_export(module: torch.nn.Module, args: Sequence[torch.Tensor], c
         # anyway. The attention layout tidy-up and constant folding leave fewer nodes than they
         # did (513 against 1816), with the same outputs.
         model = export_graph(result.gm, program.example_inputs, opset=opset, input_names=input_names,
-                             output_names=output_names, axis_names=axis_names, rewrite=False, tidy_attention=True)
+                             output_names=output_names, axis_names=axis_names, tidy_attention=True)
     return model, result
 
 
