@@ -9,7 +9,8 @@ their own kernel; an op a backend cannot lower runs its reference implementation
 Importing this package registers every op; ``graphopt.ops.OPS`` lists them.
 """
 
-from graphopt.ops import activations, attention, kv_cache, linear, moe, moe_int4, norms, quant, rope, rope_cache  # noqa: F401  (registers ops)
+from graphopt.ops import (activations, attention, kv_cache, linear, moe, moe_int4, norms, quant,  # noqa: F401
+                          quant_blocks, rope, rope_cache)  # (importing registers the ops)
 from graphopt.ops._library import OPS, op_name
 
 __all__ = ["OPS", "op_name"]
