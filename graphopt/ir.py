@@ -110,7 +110,10 @@ def add_constant(gm: fx.GraphModule, base_name: str, tensor: torch.Tensor) -> fx
     gm.register_buffer(name, tensor, persistent=False)
     node = gm.graph.get_attr(name)
     fake_mode = fake_mode_of(gm)
-    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
+    if isinstance(tensor, FakeTensor):  # a lazy weight (graphopt/lazy_weights.py): its own fake value
+        node.meta["val"] = tensor
+    else:
+        node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
     return node
 
 

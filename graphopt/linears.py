@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from graphopt import ir
+from graphopt import ir, lazy_weights
 from graphopt.rewrite import GEMM_OPS, VIEW_OPS, expect, expect_op, is_op, scalar, val
 
 aten = torch.ops.aten
@@ -174,10 +174,11 @@ def concat_constant(gm: fx.GraphModule, parts: list[torch.Tensor], name: str) ->
     tensor as an earlier graph's when that graph concatenated the same, unchanged parts."""
     with torch.no_grad():
         parts = [p.detach() for p in parts]
-        shareable = all(p.device.type != "meta" for p in parts)  # a meta tensor has no address
+        # A meta or lazy (fake) tensor has no address; a lazy one's data is read when written out.
+        shareable = all(p.device.type != "meta" and not lazy_weights.is_lazy(p) for p in parts)
         tensor = _earlier_concat(parts) if shareable else None
         if tensor is None:
-            tensor = torch.cat(parts, 0).contiguous()
+            tensor = lazy_weights.derive(torch.cat, parts, 0)
             if shareable:
                 _remember_concat(parts, tensor)
     node = ir.add_constant(gm, "w_" + name.replace(".", "_"), tensor)

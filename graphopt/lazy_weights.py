@@ -1,0 +1,193 @@
+"""Weights that are not in memory yet: fake tensors that know where their data comes from.
+
+A checkpoint loaded for compilation gives the model fake parameters (``FakeTensor`` on the CPU:
+a shape and a dtype, no data) and a *source* for each: how to read that tensor from the file
+when a runtime needs its bytes. torch.export traces them, passes rewrite them, and the
+exporters write each one by calling its source, one tensor at a time, so the weights are never
+all in memory at once and never held twice (DESIGN: "a checkpoint keeps its size").
+
+The link from a fake tensor to its source is its storage: torch.export and the frontend's
+freezing make new tensor objects (``detach``, views) but keep the storage, so any tensor that
+shares a registered storage finds its source, and a view (a slice of a tied table) reads the
+matching part of it. A pass that computes a new weight from fake ones (a QKV merge's
+``cat``) calls ``derive``, which records the computation as the new tensor's source.
+
+A checkpoint that ships quantized weights gives sources two more methods: ``block_format()``
+(cheap: the ``BlockFormat`` its codes take, or None) and ``block_quantized()`` (the weight as
+codes and scales in graphopt's block format, ``graphopt.ops.quant_blocks``, read from the file
+when asked). The pass ``keep_checkpoint_quantization`` reads them, so the runtime gets the
+file's own codes instead of a float weight.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+
+class Source(Protocol):
+    """Where a weight's data comes from. ``load`` returns a real tensor of ``shape`` and ``dtype``."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def load(self) -> torch.Tensor: ...
+
+
+# storage key -> (source, a tensor that keeps the storage alive so the key is never reused)
+_SOURCES: dict[int, tuple[Any, torch.Tensor]] = {}
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # noqa: SLF001  (the StorageImpl: shared by views and detach)
+
+
+def is_lazy(t: Any) -> bool:
+    """A tensor with no data of its own here (a fake weight)."""
+    return isinstance(t, FakeTensor)
+
+
+def new_mode() -> FakeTensorMode:
+    """A fake mode for one model's weights (tensors of one model must share it to mix in ops)."""
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def mode_of(t: torch.Tensor) -> FakeTensorMode:
+    """The fake mode a lazy weight belongs to (new lazy tensors beside it must share it)."""
+    return t.fake_mode
+
+
+def fake(mode: FakeTensorMode, source: Source) -> torch.Tensor:
+    """A fake CPU tensor of ``source``'s shape and dtype, linked to ``source``."""
+    with mode:
+        t = torch.empty(source.shape, dtype=source.dtype, device="cpu")
+    _SOURCES[_key(t)] = (source, t)
+    return t
+
+
+def source_of(t: torch.Tensor) -> Any | None:
+    """The source of ``t``'s data, or None when ``t`` is not a lazy weight. A view of a
+    registered tensor (another shape, stride or offset) gets a source for that view."""
+    if not is_lazy(t):
+        return None
+    entry = _SOURCES.get(_key(t))
+    if entry is None:
+        return None
+    source, base = entry
+    if t.shape == base.shape and t.stride() == base.stride() and t.storage_offset() == base.storage_offset():
+        return source
+    return _View(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+
+def materialize(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s data (a real tensor); ``t`` itself when it is real."""
+    if not is_lazy(t):
+        return t
+    source = source_of(t)
+    if source is None:
+        raise ValueError(f"a fake weight of shape {tuple(t.shape)} has no source: the pass that made it must call "
+                         "graphopt.lazy_weights.derive")
+    return source.load()
+
+
+def derive(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``fn(tensors, *args, **kwargs)`` (e.g. ``torch.cat``): computed now when all are real, else a
+    fake result whose source computes it from the parts' data when asked."""
+    tensors = list(tensors)
+    if not any(is_lazy(t) for t in tensors):
+        return fn(tensors, *args, **kwargs)
+    result = fn(tensors, *args, **kwargs)  # on fakes: shapes only
+    parts = [source_of(t) if is_lazy(t) else _Real(t) for t in tensors]
+    if any(p is None for p in parts):
+        raise ValueError("derive: a fake part has no source")
+    _SOURCES[_key(result)] = (_Derived(fn, parts, args, kwargs, tuple(result.shape), result.dtype), result)
+    return result
+
+
+class _Real:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype = t, tuple(t.shape), t.dtype
+
+    def load(self) -> torch.Tensor:
+        return self.t
+
+
+class _View:
+    """A view of a source's tensor: loads the whole and returns the view (a copy)."""
+
+    def __init__(self, base: Any, shape, stride, offset, dtype) -> None:
+        self.base, self.shape, self.stride, self.offset, self.dtype = base, shape, stride, offset, dtype
+
+    def load(self) -> torch.Tensor:
+        return self.base.load().as_strided(self.shape, self.stride, self.offset).contiguous()
+
+    def block_format(self):
+        return None  # a view cuts across blocks in general
+
+
+class _Derived:
+    def __init__(self, fn, parts, args, kwargs, shape, dtype) -> None:
+        self.fn, self.parts, self.args, self.kwargs, self.shape, self.dtype = fn, parts, args, kwargs, shape, dtype
+
+    def load(self) -> torch.Tensor:
+        return self.fn([p.load() for p in self.parts], *self.args, **self.kwargs)
+
+    def _row_concat(self) -> bool:
+        return self.fn is torch.cat and (self.args or [self.kwargs.get("dim", 0)])[0] == 0
+
+    def block_format(self):
+        """Rows of block-quantized parts stacked (a merged QKV) are block-quantized, in the
+        format that holds every part exactly (``BlockFormat.widened``)."""
+        formats = [block_format(p) for p in self.parts] if self._row_concat() else [None]
+        if any(f is None for f in formats):
+            return None
+        joined = formats[0]
+        for f in formats[1:]:
+            joined = joined.widened(f)
+        return joined
+
+    def block_quantized(self):
+        from graphopt.ops.quant_blocks import concatenate
+
+        return concatenate([p.block_quantized() for p in self.parts])
+
+
+def block_format(source: Any):
+    """The block format a source's data comes in (``graphopt.ops.quant_blocks.BlockFormat``), or None."""
+    method = getattr(source, "block_format", None)
+    return method() if method is not None else None
+
+
+def replace_parameters(module: torch.nn.Module, sources: dict[str, Any], mode: FakeTensorMode | None = None) -> None:
+    """Give ``module`` a lazy parameter for every name in ``sources`` (a state-dict name ->
+    source); a parameter tied to another (one tensor under two names) stays one tensor."""
+    mode = mode or new_mode()
+    made: dict[int, torch.nn.Parameter] = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for name, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            if id(param) not in made:
+                if full not in sources:
+                    continue
+                made[id(param)] = torch.nn.Parameter(fake(mode, sources[full]), requires_grad=False)
+            sub._parameters[name] = made[id(param)]
+
+
+def load_constants(gm: torch.fx.GraphModule) -> int:
+    """Replace every lazy constant of ``gm`` by its data, in place, so the graph runs eagerly
+    (the eager target, numeric checks); returns how many were read."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner, _, attr = node.target.rpartition(".")
+        holder = gm.get_submodule(owner) if owner else gm
+        tensor = getattr(holder, attr, None)
+        if is_lazy(tensor):
+            holder._buffers[attr] = materialize(tensor)
+            count += 1
+    return count
