@@ -26,6 +26,9 @@ DEFAULT_PIPELINE: tuple[str, ...] = (
     "merge_qkv",
     "fuse_rope",
     "fuse_attention",  # after fuse_rope: it reads through the layout copies rope leaves
+    # after the fusions that concatenate weights (merge_qkv, fuse_gated_mlp): rows of a file's
+    # quantized weights concatenate into one quantized weight. A no-op unless weights are lazy.
+    "keep_checkpoint_quantization",
     "cuda_graphs",  # last: marks the final graph's ops for capture (on the CPU it only says why not)
 )
 
