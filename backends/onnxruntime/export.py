@@ -21,6 +21,7 @@ it from the run's input sizes).
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -301,6 +302,7 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
     """What both routes do after translating: names, the layout tidy-up, cleanup, output dtypes."""
     from torch.onnx._internal.exporter import _ir_passes
 
+    read_lazy_weights_when_written(model)
     if input_names:  # the traced route's exporter renamed them already
         _ir_passes.rename_inputs(model, list(input_names))
     if output_names:
@@ -325,6 +327,38 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
         onnx_cleanup.name_dynamic_axes(model, names)
     return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
                      list(output_plan), cached, route)
+
+
+def read_lazy_weights_when_written(model) -> int:
+    """Give every initializer made from a lazy weight (graphopt/lazy_weights.py: a fake tensor
+    whose bytes stay in the checkpoint) a tensor that reads them when asked: when the model is
+    saved, one initializer at a time, or when a fold needs a small one. Returns how many."""
+    import onnx_ir as ir
+
+    from graphopt import lazy_weights
+
+    count = 0
+    for name, value in model.graph.initializers.items():
+        raw = getattr(value.const_value, "raw", None)
+        if not lazy_weights.is_lazy(raw):
+            continue
+        source = lazy_weights.source_of(raw)
+        if source is None:
+            raise OnnxExportError(f"weight {name} has no data: a pass made it from lazy weights without "
+                                  "graphopt.lazy_weights.derive")
+        value.const_value = ir.LazyTensor(functools.partial(_read_source, source, tuple(raw.shape)),
+                                          dtype=value.const_value.dtype, shape=ir.Shape(tuple(raw.shape)), name=name)
+        count += 1
+    return count
+
+
+def _read_source(source, shape: tuple[int, ...]):
+    import onnx_ir as ir
+
+    tensor = source.load()
+    if tuple(tensor.shape) != shape:
+        raise OnnxExportError(f"a lazy weight read as {tuple(tensor.shape)}, declared {shape}")
+    return ir.Tensor(tensor.contiguous().numpy())
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ ORT_OPS: tuple[tuple[str, str], ...] = (
     (MS_DOMAIN, "GroupQueryAttention"),
     (MS_DOMAIN, "MatMulNBits"),
     (MS_DOMAIN, "GatherBlockQuantized"),
+    (MS_DOMAIN, "FusedMatMul"),  # a block-quantized weight's offsets (translations/quant_blocks.py)
     (MS_DOMAIN, "MoE"),
     (MS_DOMAIN, "QMoE"),
 )
