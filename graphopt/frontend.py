@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -33,7 +33,7 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt import dynamo_reuse, ir
+from graphopt import dynamo_reuse, ir, repeated_layers
 from graphopt.compiler import compile_graph
 from graphopt.config import Options
 from graphopt.dynamic_floats import (dynamic_float_inputs, dynamic_float_readers, name_dynamic_floats,
@@ -269,13 +269,36 @@ class AtenProgram:
 
     gm: fx.GraphModule
     example_inputs: tuple
-    out_spec: Any  # pytree spec of the model's outputs
+    out_spec: Any  # pytree spec of the model's outputs (of the two-layer trace when layers were stamped)
     frozen_weights: int
+    notes: list[str] = field(default_factory=list)
 
 
 def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None = None,
-                      dynamic_shapes: Any = None) -> AtenProgram:
-    """torch.export the model, decompose to ATen, and freeze its weights."""
+                      dynamic_shapes: Any = None, trace_repeated_once: bool = False) -> AtenProgram:
+    """torch.export the model, decompose to ATen, and freeze its weights.
+
+    ``trace_repeated_once``: a model whose layers repeat is traced with two of them and the
+    rest stamped in as copies (graphopt/repeated_layers.py); ``AtenProgram.notes`` says
+    whether it was, or why the whole model was traced.
+    """
+    stack, why = repeated_layers.find_stack(model) if trace_repeated_once else (None, "")
+    if stack is not None:
+        with repeated_layers.two_layers(stack):
+            program = _export_and_freeze(model, args, kwargs, dynamic_shapes)
+        try:
+            layers = repeated_layers.stamp(program.gm, stack)
+            program.notes.append(f"traced 2 of {layers} layers ({stack.layer_type.__name__}) and stamped the rest")
+            return program
+        except repeated_layers.NotStampable as error:
+            why = str(error)
+    program = _export_and_freeze(model, args, kwargs, dynamic_shapes)
+    if trace_repeated_once:
+        program.notes.append(f"traced every layer: {why}")
+    return program
+
+
+def _export_and_freeze(model: torch.nn.Module, args: tuple, kwargs: dict | None, dynamic_shapes: Any) -> AtenProgram:
     with torch.no_grad():
         program = torch.export.export(model, tuple(args), kwargs or {}, dynamic_shapes=dynamic_shapes, strict=False)
         with warnings.catch_warnings():
