@@ -110,11 +110,19 @@ def add_constant(gm: fx.GraphModule, base_name: str, tensor: torch.Tensor) -> fx
     gm.register_buffer(name, tensor, persistent=False)
     node = gm.graph.get_attr(name)
     fake_mode = fake_mode_of(gm)
-    if isinstance(tensor, FakeTensor):  # a lazy weight (graphopt/lazy_weights.py): its own fake value
-        node.meta["val"] = tensor
+    if isinstance(tensor, FakeTensor):  # a lazy weight (graphopt/lazy_weights.py), from its own fake mode
+        node.meta["val"] = tensor if fake_mode is None or tensor.fake_mode is fake_mode else _fake_like(fake_mode, tensor)
     else:
         node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
     return node
+
+
+def _fake_like(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``fake_mode`` with ``tensor``'s shape, strides and dtype: every value
+    of one graph must come from one mode, whatever mode the constant's own tensor is from."""
+    with fake_mode:
+        return torch.empty_strided(tuple(tensor.shape), tuple(tensor.stride()), dtype=tensor.dtype,
+                                   device=tensor.device)
 
 
 def _fresh_attr(gm: fx.GraphModule, base: str) -> str:

@@ -352,6 +352,27 @@ def read_lazy_weights_when_written(model) -> int:
     return count
 
 
+@contextlib.contextmanager
+def lazy_weights_as_stubs(model):
+    """``model`` (onnx_ir) with each lazily read initializer standing as an external-data
+    reference to no file, for code that serializes the graph without needing the weights
+    (a subgraph extracted from it): serializing would read every one of them."""
+    import onnx_ir as ir
+
+    swapped = {}
+    for name, value in model.graph.initializers.items():
+        tensor = value.const_value
+        if isinstance(tensor, ir.LazyTensor):
+            swapped[name] = tensor
+            value.const_value = ir.ExternalTensor("graphopt-lazy-weight", 0, tensor.nbytes, tensor.dtype,
+                                                  shape=tensor.shape, name=name)
+    try:
+        yield model
+    finally:
+        for name, tensor in swapped.items():
+            model.graph.initializers[name].const_value = tensor
+
+
 def _read_source(source, shape: tuple[int, ...]):
     import onnx_ir as ir
 

@@ -26,8 +26,12 @@ def _rotary_tables(model, tables: tuple, positions: int) -> tuple[list, str | No
     import onnx_ir as ir
     import onnxruntime
 
+    from graphopt.backends.onnxruntime.export import lazy_weights_as_stubs
+
     names = [t.name for t in tables]
-    sub = _extract(ir.to_proto(model), names, tables[0].dtype or ir.DataType.FLOAT)
+    with lazy_weights_as_stubs(model):  # the tables read no weight: do not read the checkpoint to serialize
+        proto = ir.to_proto(model)
+    sub = _extract(proto, names, tables[0].dtype or ir.DataType.FLOAT)
     needed = [i.name for i in sub.graph.input]
     if needed != ["position_ids"] and sorted(needed) != ["input_ids", "position_ids"]:
         return [], f"the rotary tables read {needed}, not only the positions"
