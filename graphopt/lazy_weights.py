@@ -162,18 +162,18 @@ def block_format(source: Any):
 
 def replace_parameters(module: torch.nn.Module, sources: dict[str, Any], mode: FakeTensorMode | None = None) -> None:
     """Give ``module`` a lazy parameter for every name in ``sources`` (a state-dict name ->
-    source); a parameter tied to another (one tensor under two names) stays one tensor."""
+    source); a parameter tied to another (one tensor under two names) stays one tensor, made
+    from whichever of its names has a source."""
     mode = mode or new_mode()
+    owners = [(sub, name, param, f"{prefix}.{name}" if prefix else name)
+              for prefix, sub in module.named_modules(remove_duplicate=False)
+              for name, param in sub._parameters.items() if param is not None]
+    source_of_param = {id(param): sources[full] for _, _, param, full in owners if full in sources}
     made: dict[int, torch.nn.Parameter] = {}
-    for module_name, sub in module.named_modules(remove_duplicate=False):
-        for name, param in list(sub._parameters.items()):
-            if param is None:
-                continue
-            full = f"{module_name}.{name}" if module_name else name
+    for sub, name, param, _ in owners:
+        if id(param) in source_of_param:
             if id(param) not in made:
-                if full not in sources:
-                    continue
-                made[id(param)] = torch.nn.Parameter(fake(mode, sources[full]), requires_grad=False)
+                made[id(param)] = torch.nn.Parameter(fake(mode, source_of_param[id(param)]), requires_grad=False)
             sub._parameters[name] = made[id(param)]
 
 

@@ -1,0 +1,180 @@
+"""llama.cpp's quantized blocks re-laid out as graphopt's block format, value for value.
+
+Each supported ggml type becomes codes, scales and (where it has a float minimum) offsets
+in the format of ``graphopt.ops.quant_blocks``, read from the file's bytes with integer and
+exact float operations only: the result dequantizes to exactly ggml's values (tests check it
+against ``gguf``'s own dequantizer, bit for bit). Block layouts are ggml's (``ggml-common.h``):
+
+| type | block | stored | value | here |
+|---|---|---|---|---|
+| Q4_0 | 32 | d f16, 16 B of nibbles | d * (q - 8) | 4-bit, implied zero 8 |
+| Q4_1 | 32 | d, m f16, nibbles | d * q + m | 4-bit, zero 0, offset m |
+| Q5_0 | 32 | d, 4 B high bits, nibbles | d * (q - 16) | 8-bit, q + 112 (zero 128) |
+| Q5_1 | 32 | d, m, high bits, nibbles | d * q + m | 8-bit, q + 128, offset m |
+| Q8_0 | 32 | d, 32 int8 | d * q | 8-bit, q + 128 |
+| Q4_K | 256 = 8 x 32 | d, dmin f16, 12 B of 6-bit scales/mins, nibbles | d*sc * q - dmin*m | 4-bit, zero 0, offset |
+| Q5_K | 256 = 8 x 32 | as Q4_K plus 32 B of high bits | d*sc * q - dmin*m | 8-bit, offset |
+| Q6_K | 256 = 16 x 16 | 128 B low nibbles, 64 B high pairs, 16 int8 scales, d | d*sc * (q - 32) | 8-bit, block 16 |
+
+Nibble order: ggml keeps element j of a 32-block in the low nibble of byte j and element
+j + 16 in the high nibble (K-quants: per 64 elements, byte j holds j and j + 32), where
+MatMulNBits wants elements 2j and 2j + 1 in one byte; the codes are re-packed, not changed.
+5- and 6-bit codes widen to 8 bits exactly (MatMulNBits has no 5- or 6-bit kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from graphopt.ops.quant_blocks import BlockQuantized, pack_codes, pack_zero_points
+
+# ggml type ids (gguf.GGMLQuantizationType) of the types re-laid out here
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+         Q6_K: "Q6_K"}
+BLOCK_BYTES = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+               Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
+
+
+def supported(ggml_type: int) -> bool:
+    return ggml_type in BLOCK_BYTES
+
+
+ROWS_PER_CHUNK = 4096  # decoded at a time: a field's temporaries stay a few MB whatever the tensor
+
+
+def relayout(raw: np.ndarray, ggml_type: int, in_features: int, after_read=None) -> BlockQuantized:
+    """``raw``: uint8 ``[N, bytes per row]`` of one tensor as the file stores it (a memory map:
+    nothing is read until a field is). Each field is decoded when first read, a few thousand
+    rows at a time into its result (so a 151k-row table's temporaries are not 151k rows);
+    ``after_read()`` is called after each field (the file lets go of the pages it read)."""
+    elements, size = BLOCK_BYTES[ggml_type]
+    blocks = raw.reshape(raw.shape[0], in_features // elements, size)
+    layout = _DECODERS[ggml_type]
+    whole = layout(blocks[:1], in_features)  # one row: the fields' dtypes and trailing shapes
+    fields = {name: functools.partial(_by_rows, layout, blocks, in_features, name, after_read)
+              for name in ("codes", "scales", "zeros", "offsets")}
+    return BlockQuantized(whole.bits, whole.group_size, in_features, whole.format.zeros, whole.format.offsets,
+                          **fields)
+
+
+def _by_rows(layout, blocks: np.ndarray, in_features: int, name: str, after_read) -> np.ndarray:
+    out = None
+    for start in range(0, blocks.shape[0], ROWS_PER_CHUNK):
+        part = getattr(layout(blocks[start:start + ROWS_PER_CHUNK], in_features), name)
+        if out is None:
+            out = np.empty((blocks.shape[0], *part.shape[1:]), part.dtype)
+        out[start:start + part.shape[0]] = part
+    if after_read is not None:
+        after_read()
+    return out
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """float32 ``[N, B]`` from the little-endian float16 at byte ``start`` of each block."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _split_nibbles(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-element nibble order (byte j: elements j, j + 16) -> one code a value."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """4 bytes (a little-endian uint32) -> bit j of element j, as 0 or 16."""
+    return np.unpackbits(qh, axis=-1, bitorder="little").astype(np.uint8) << 4
+
+
+def _zero_codes(b: np.ndarray, groups: int, bits: int):
+    return lambda: pack_zero_points(np.zeros((b.shape[0], groups), np.uint8), bits)
+
+
+def _legacy(b: np.ndarray, k: int, bits: int, codes, offset: bool = False, zero: bool = False) -> BlockQuantized:
+    """The 32-element types: d at byte 0, m (a float minimum) at byte 2 when ``offset``."""
+    return BlockQuantized(bits, 32, k, zero, offset, codes=lambda: pack_codes(codes(), bits),
+                          scales=lambda: _f16(b, 0), zeros=_zero_codes(b, b.shape[1], bits),
+                          offsets=lambda: _f16(b, 2))
+
+
+def _q4_0(b, k):
+    return _legacy(b, k, 4, lambda: _split_nibbles(b[..., 2:]))
+
+
+def _q4_1(b, k):
+    return _legacy(b, k, 4, lambda: _split_nibbles(b[..., 4:]), offset=True, zero=True)
+
+
+def _q5_0(b, k):  # q - 16 == (q + 112) - 128
+    return _legacy(b, k, 8, lambda: (_split_nibbles(b[..., 6:]) | _high_bits(b[..., 2:6])) + 112)
+
+
+def _q5_1(b, k):  # q == (q + 128) - 128; the minimum is the offset
+    return _legacy(b, k, 8, lambda: (_split_nibbles(b[..., 8:]) | _high_bits(b[..., 4:8])) + 128, offset=True)
+
+
+def _q8_0(b, k):  # int8 q + 128, as uint8
+    return _legacy(b, k, 8, lambda: b[..., 2:] ^ 0x80)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes of eight 6-bit scales and eight 6-bit mins (ggml's ``get_scale_min_k4``)."""
+    low, mid, top = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    scales = np.concatenate((low & 0x3F, (top & 0x0F) | ((low >> 2) & 0x30)), axis=-1)
+    mins = np.concatenate((mid & 0x3F, (top >> 4) | ((mid >> 2) & 0x30)), axis=-1)
+    return scales, mins
+
+
+def _k_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes of K-quant nibbles -> [.., 8, 32] codes (per 64 elements: low nibbles, then high)."""
+    chunks = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack((chunks & 0x0F, chunks >> 4), axis=-2).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _k_quant(b: np.ndarray, k: int, bits: int, codes) -> BlockQuantized:
+    """Q4_K and Q5_K: super-blocks of 256 with d, dmin and eight 6-bit (scale, min) pairs."""
+    n, supers = b.shape[:2]
+
+    def scales():
+        return (_f16(b, 0)[..., None] * _k_scales(b[..., 4:16])[0].astype(np.float32)).reshape(n, supers * 8)
+
+    def offsets():
+        return -(_f16(b, 2)[..., None] * _k_scales(b[..., 4:16])[1].astype(np.float32)).reshape(n, supers * 8)
+
+    return BlockQuantized(bits, 32, k, bits == 4, True, codes=lambda: pack_codes(codes().reshape(n, supers * 8, 32), bits),
+                          scales=scales, zeros=_zero_codes(b, supers * 8, bits), offsets=offsets)
+
+
+def _q4_k(b, k):
+    return _k_quant(b, k, 4, lambda: _k_nibbles(b[..., 16:144]))
+
+
+def _q5_k(b, k):
+    def codes():
+        high = np.unpackbits(b[..., 16:48], axis=-1, bitorder="little").reshape(*b.shape[:2], 32, 8)
+        high = np.moveaxis(high, -1, -2)  # bit i of byte j is the high bit of element 32 * i + j
+        return (_k_nibbles(b[..., 48:176]) | (high << 4)) + 128  # the offset carries the minimum
+    return _k_quant(b, k, 8, codes)
+
+
+def _q6_k(b, k):
+    n, supers = b.shape[:2]
+
+    def codes():
+        ql, qh = b[..., 0:128].reshape(n, supers, 2, 64), b[..., 128:192].reshape(n, supers, 2, 32)
+        # per 128 elements: ql bytes 0..63 give elements 0..63 (low nibble) and 64..127 (high);
+        # qh byte j gives bits 4-5 of elements j, j + 32, j + 64, j + 96 (bit pairs 0, 2, 4, 6)
+        low = np.concatenate((ql & 0x0F, ql >> 4), axis=-1)
+        high = np.concatenate([(qh >> shift) & 0x03 for shift in (0, 2, 4, 6)], axis=-1)
+        return pack_codes((low | (high << 4)).reshape(n, supers * 16, 16) + 96, 8)  # q - 32 == (q + 96) - 128
+
+    def scales():
+        sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).astype(np.float32)
+        return (_f16(b, 208)[..., None] * sc).reshape(n, supers * 16)
+
+    return BlockQuantized(8, 16, k, False, False, codes=codes, scales=scales)
+
+
+_DECODERS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q4_K: _q4_k, Q5_K: _q5_k,
+             Q6_K: _q6_k}
