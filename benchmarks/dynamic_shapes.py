@@ -20,7 +20,7 @@ change by the second call, so dynamo's automatic-dynamic recompile covers both a
 Dynamo never lets a dynamic size be 1 (its 0/1 specialization), so with the default a batch
 of 1 after a dynamic batch is a third graph ("2 <= input_ids.size()[0]" fails), as it is for
 Inductor; graphopt's onnxruntime target proves it the dynamic graph with the batch at 1 and
-runs it on that graph's session (backends/onnxruntime/reuse.py: a note, not a build); with ``dynamic=True`` the first graph keeps batch 1 static and the second has both
+runs it on that graph's session (backends/onnxruntime/compile/reuse.py: a note, not a build); with ``dynamic=True`` the first graph keeps batch 1 static and the second has both
 axes dynamic. ``backed_size_oblivious`` drops the 0/1 guard, so the dynamic graph serves batch 1
 too (graphopt's passes add no guard of their own: tests/core/test_shape_guards.py).
 

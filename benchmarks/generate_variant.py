@@ -10,7 +10,7 @@ import os
 import time
 from pathlib import Path
 
-from graphopt.backends.onnxruntime.session import create_session
+from graphopt.backends.onnxruntime.runtime.session import create_session
 from weight_traffic import onnx_decode_bytes
 
 
@@ -23,8 +23,8 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
     runs it (workers spin between ops, torch on one thread while it decodes alone); off for
     lockstep, where its spinning workers would slow the torch variants stepped between."""
     from graphopt.backends.onnxruntime import tool
-    from graphopt.backends.onnxruntime.decoder import InPlaceSession, OrtRunner
-    from graphopt.backends.onnxruntime.inplace_cache import export_decoder
+    from graphopt.backends.onnxruntime.decoder.decoder import InPlaceSession, OrtRunner
+    from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
 
     if path is None:
         with _fold_off() if unfolded else contextlib.nullcontext():
@@ -54,7 +54,7 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
 
 @contextlib.contextmanager
 def _fold_off():
-    from graphopt.backends.onnxruntime import rotary_fold
+    from graphopt.backends.onnxruntime.onnx_passes import rotary_fold
 
     real = rotary_fold.fold_rotary_into_attention
     rotary_fold.fold_rotary_into_attention = lambda model, positions: {"rotary": 0}

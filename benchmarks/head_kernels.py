@@ -153,7 +153,7 @@ def rss_bytes() -> int:
 def session(proto: onnx.ModelProto, threads: int):
     import onnxruntime as ort
 
-    from graphopt.backends.onnxruntime.heap_trim import release_free_heap
+    from graphopt.backends.onnxruntime.runtime.heap_trim import release_free_heap
 
     data = proto.SerializeToString()
     options = ort.SessionOptions()

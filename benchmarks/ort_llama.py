@@ -56,9 +56,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache  # noqa: E402
-from graphopt.backends.onnxruntime.session import SessionRunner, create_session  # noqa: E402
-from graphopt.backends.onnxruntime.translations import int4 as int4_translation  # noqa: E402
+from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache  # noqa: E402
+from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session  # noqa: E402
+from graphopt.backends.onnxruntime.lower.translations import int4 as int4_translation  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 from graphopt.threads import torch_threads  # noqa: E402
 from ort_recipes import export_plain, optimize_with_ort, quantize_with_ort  # noqa: E402
@@ -232,7 +232,7 @@ def run(folder: Path) -> None:
     if "int4" in args.skip:
         args.skip += ["ortint4", "graphoptint4", "generate"]
     args.generate_head_bits = args.generate_head_bits or [8]
-    # graphopt.generate's decoder spins (backends/onnxruntime/decoder.py); in lockstep its
+    # graphopt.generate's decoder spins (backends/onnxruntime/decoder/decoder.py); in lockstep its
     # workers would take the cores from the torch variants stepped between its steps.
     by_generation = args.interleave == "generation"
     if args.ort_spin and not by_generation:

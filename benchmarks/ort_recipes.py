@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from graphopt.backends.onnxruntime.generate import DecodeStep, PrefillStep
+from graphopt.backends.onnxruntime.decoder.generate import DecodeStep, PrefillStep
 
 
 def export_plain(model, example, folder: Path) -> tuple[str, str]:

@@ -79,7 +79,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from graphopt.backends.onnxruntime.export import OnnxModel
+from graphopt.backends.onnxruntime.lower.export import OnnxModel
 from graphopt.backends.onnxruntime.tool import export_model
 from graphopt.config import Options
 from graphopt.quant_report import int4_summary, logits_metrics

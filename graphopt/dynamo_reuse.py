@@ -6,7 +6,7 @@ frame again with the batch fixed at 1. The new graph is the dynamic one with ``s
 the code compiled for the dynamic graph computes it (its sizes are read at run time). Before
 this module, that retrace went through AOT autograd's two fake-tensor traces and graphopt's
 passes again (about 3.5 of the 4.8 s of llama-small's third call) only to reach code that
-already existed (the onnxruntime target then reused the session: ``backends/onnxruntime/reuse.py``).
+already existed (the onnxruntime target then reused the session: ``backends/onnxruntime/compile/reuse.py``).
 
 ``serve`` proves the new dynamo graph an instance of a remembered dynamic one
 (``graph_instance.instance_of`` over ``example_value``) and returns a callable that passes

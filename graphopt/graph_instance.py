@@ -16,7 +16,7 @@ substitution before anything relies on it:
   graph cannot serve a more general one.
 
 ``key`` is the node meta that holds each value: ``"val"`` in ATen graphs (the onnxruntime
-target's session reuse, ``backends/onnxruntime/reuse.py``), ``"example_value"`` in dynamo's
+target's session reuse, ``backends/onnxruntime/compile/reuse.py``), ``"example_value"`` in dynamo's
 own graphs (``graphopt/dynamo_reuse.py``).
 """
 

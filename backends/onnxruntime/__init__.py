@@ -1,13 +1,22 @@
 """The ONNX Runtime backend: graphopt ops exported as ORT's fused ops, run in an InferenceSession.
 
-- ``target.onnxruntime``: the ``torch.compile`` target (``options={"target": "onnxruntime"}``).
-- ``export.export_graph``: optimized FX graph -> ONNX model (``OnnxModel``, over onnx-ir).
-- ``translations/``: one module per op family, each a ``TRANSLATIONS`` dict of op overload ->
-  ONNX translation, discovered with pkgutil (add a family by adding a file).
-- ``lowering``: checks and the ORT-specific rewrite (attention over a KV cache -> GQA with past).
-- ``session``: sessions per execution provider, and running them on torch tensors.
-- ``tool``: the pipeline behind ``graphopt export``; ``generate``: KV-cache export and greedy
-  generation on ORT.
+Modules here:
+- ``target``: the ``torch.compile`` target (``options={"target": "onnxruntime"}``), the entry
+  the registry imports.
+- ``tool``: the pipeline behind ``graphopt export``: a model -> an optimized, proven ``.onnx`` file.
+- ``errors``: the target's errors, one line each, naming the op.
+
+Rooms, by job:
+- ``lower/``: optimized FX graph -> ONNX model (``export.export_graph``, the direct and traced
+  routes, legalisation, ORT schemas, symbolic sizes, per-op partitioning, ``translations/``).
+- ``onnx_passes/``: rewrites of the exported ONNX model (cleanup, attention layout, MatMul
+  reshapes, rotary folded into attention, transposed weights).
+- ``runtime/``: sessions per execution provider and the memory around them (in-memory
+  weights, bound outputs, heap trims).
+- ``compile/``: the target's strategies across a model's graphs (lazy builds on recompile,
+  session reuse, which nodes run on ORT).
+- ``decoder/``: generation on ORT (the step runner for ``graphopt.generate``, the in-place
+  KV-cache decoder and its disk cache, the prefill/decode pair, transformers' cache steps).
 
 Importing this package imports nothing from onnx or onnxruntime: the target says what is
 missing in one line when they are not installed.

@@ -34,11 +34,11 @@ import torch.fx as fx
 
 from graphopt import graph_instance
 from graphopt import report as reports
-from graphopt.backends.onnxruntime import reuse
-from graphopt.backends.onnxruntime.bound_outputs import BoundOutputs, release_arena_options
-from graphopt.backends.onnxruntime.heap_trim import release_after_run, release_free_heap
-from graphopt.backends.onnxruntime.lazy_build import INTS_NOTE, NOTE, BuildOnSecondCall, build_on_second_call
-from graphopt.backends.onnxruntime.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
+from graphopt.backends.onnxruntime.compile import reuse
+from graphopt.backends.onnxruntime.runtime.bound_outputs import BoundOutputs, release_arena_options
+from graphopt.backends.onnxruntime.runtime.heap_trim import release_after_run, release_free_heap
+from graphopt.backends.onnxruntime.compile.lazy_build import INTS_NOTE, NOTE, BuildOnSecondCall, build_on_second_call
+from graphopt.backends.onnxruntime.lower.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.ir import is_symbolic_size
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
@@ -61,12 +61,12 @@ class OnnxRuntimeTarget:
         missing = missing_package()
         if missing:
             return f"needs the Python package {missing!r}: pip install 'graphopt[onnxruntime]'"
-        from graphopt.backends.onnxruntime.session import provider_problem
+        from graphopt.backends.onnxruntime.runtime.session import provider_problem
 
         return provider_problem(config.provider)
 
     def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
-        from graphopt.backends.onnxruntime import partition
+        from graphopt.backends.onnxruntime.lower import partition
 
         if not partition.is_partition(gm):  # decompose what has no translation, cut off what cannot export
             return partition.compile_partitioned(self, gm, example_inputs, config)
@@ -154,8 +154,8 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
                    sizes_from: dict | None = None, scalars: list[int] | None = None, report=None,
                    arena: bool | None = None):
     """Export ``gm`` and open its session; record the build on the graph's report."""
-    from graphopt.backends.onnxruntime.export import export_graph
-    from graphopt.backends.onnxruntime.session import create_session
+    from graphopt.backends.onnxruntime.lower.export import export_graph
+    from graphopt.backends.onnxruntime.runtime.session import create_session
 
     report = report or reports.current_report()
     start = time.perf_counter()
@@ -182,7 +182,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
 
 
 def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, report=None) -> Callable:
-    from graphopt.backends.onnxruntime.session import SessionRunner
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
     return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
@@ -192,7 +192,7 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Callabl
     """One export with the symbolic axes dynamic, one session for every shape. ``report``:
     the graph's, when this runs at a call instead of at compile time (lazy_build.py)."""
     from graphopt.backends.onnxruntime.errors import OnnxExportError
-    from graphopt.backends.onnxruntime.session import SessionRunner
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     report = report or reports.current_report()
     plan = SizePlan.of(gm)
@@ -233,7 +233,7 @@ def _retirable(gm: fx.GraphModule, provider: str, run: Callable, report=None) ->
 def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier | None = None) -> Callable | None:
     """``gm`` run on the session of an earlier dynamic graph it is an instance of (``only``
     that one, when given), or None."""
-    from graphopt.backends.onnxruntime.session import SessionRunner
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     found = reuse.find(gm, provider, only=only)
     if found is None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 
 from graphopt.backends.onnxruntime.errors import OnnxExportError
-from graphopt.backends.onnxruntime.export import OnnxModel, export_graph
+from graphopt.backends.onnxruntime.lower.export import OnnxModel, export_graph
 from graphopt.config import Options
 from graphopt.errors import GraphoptError, OptionsError
 
@@ -194,7 +194,7 @@ def resample_like(inputs: Sequence[Any], grow: tuple[int, ...] = (1, 3), seed: i
 def validate(path: str, module: torch.nn.Module, input_sets: Sequence[Sequence[torch.Tensor]], provider: str,
              flatten: Callable[[Any], list[torch.Tensor]]) -> list[dict]:
     """Run the saved file in ORT on each input set and compare with eager."""
-    from graphopt.backends.onnxruntime.session import SessionRunner, create_session
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
     from graphopt.numerics import compare
 
     rows = []

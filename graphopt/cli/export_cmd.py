@@ -78,7 +78,8 @@ def export(
     missing = missing_package()
     if missing:
         raise GraphoptError(f"graphopt export needs the Python package {missing!r}: pip install 'graphopt[onnxruntime]'")
-    from graphopt.backends.onnxruntime import generate, tool
+    from graphopt.backends.onnxruntime import tool
+    from graphopt.backends.onnxruntime.decoder import generate
 
     if batch < 2 or seq_len < 2:
         raise GraphoptError("--batch and --seq-len must be at least 2: torch.export fixes axes of size 1")
@@ -181,7 +182,7 @@ def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
 
     loaded = load_model(spec, seed=seed, batch=batch, seq_len=seq_len, single_output=not kv_cache)
     if kv_cache:
-        from graphopt.backends.onnxruntime.generate import cache_steps
+        from graphopt.backends.onnxruntime.decoder.generate import cache_steps
 
         cache_steps(loaded.module, otherwise=f"{spec} is a {loaded.family} model: export it without --kv-cache")
     return loaded

@@ -43,7 +43,7 @@ class OutputOnly(nn.Module):
         with a materialized causal mask."""
         if not (self.causal and attention_mask is None and torch.compiler.is_exporting()):
             return contextlib.nullcontext()
-        from graphopt.backends.onnxruntime.hf_steps import mask_kept, unmasked_sdpa
+        from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept, unmasked_sdpa
 
         return contextlib.nullcontext() if mask_kept(self.model) else unmasked_sdpa(self.model)
 

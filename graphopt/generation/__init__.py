@@ -5,7 +5,7 @@
 - ``runner``: the step-runner protocol, the model adapters and the eager runner;
 - ``static``: the compiled static-cache runner (eager and triton targets);
 - ``runner_cache``: each model's runners, kept from one call to the next (``forget`` drops them);
-- the onnxruntime target's runner lives with its backend (backends/onnxruntime/decoder.py).
+- the onnxruntime target's runner lives with its backend (backends/onnxruntime/decoder/decoder.py).
 """
 
 from graphopt.generation.api import RUNNERS, eager_generate, generate, generate_with_reference

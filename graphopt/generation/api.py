@@ -8,7 +8,7 @@
 
 Which runner decodes (``RUNNERS``): targets that run graph nodes in order (eager, triton) get
 the compiled static-cache step (graphopt.generation.static); onnxruntime gets one exported
-model whose attention writes a shared cache buffer in place (backends/onnxruntime/decoder.py);
+model whose attention writes a shared cache buffer in place (backends/onnxruntime/decoder/decoder.py);
 ``auto`` resolves to one of them
 from the hardware. Any other target lowers the static-cache step on eager, and the report
 says so. If a runner cannot be built (export failed, no static cache), the model decodes
@@ -45,7 +45,7 @@ log = logging.getLogger("graphopt")
 # Step runners by resolved target, as "module:class"; the class is built as cls(model, config).
 # Targets missing here decode with the static-cache step (graphopt.generation.static).
 RUNNERS: dict[str, str] = {
-    "onnxruntime": "graphopt.backends.onnxruntime.decoder:OrtRunner",
+    "onnxruntime": "graphopt.backends.onnxruntime.decoder.decoder:OrtRunner",
 }
 
 

@@ -106,7 +106,7 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
             lane.runner.prepare(input_ids, attention_mask)
         if all(hasattr(lane.runner, "decoding") for lane in lanes):
             # A runner's say over torch's threads for the loop (the onnxruntime decoder's: one
-            # thread, backends/onnxruntime/decoder.py). Only when every runner has one: an
+            # thread, backends/onnxruntime/decoder/decoder.py). Only when every runner has one: an
             # eager runner stepped in lockstep needs torch's threads.
             for lane in lanes:
                 threads.enter_context(lane.runner.decoding())

@@ -36,7 +36,7 @@ from graphopt.targets import resolve_target
 
 # Targets that run a graph's nodes in order, so an in-place kv_cache_update happens before
 # the attention that reads the cache. ONNX Runtime orders by data dependencies only; its
-# runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder.py).
+# runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder/decoder.py).
 IN_PLACE_TARGETS = ("eager", "triton")
 # static_kv_cache makes the cache writes that fuse_rope_kv_cache_update folds rope into;
 # cuda_graphs marks the final ops for capture, so it comes last.

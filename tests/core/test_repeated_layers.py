@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphopt import ir, repeated_layers
-from graphopt.backends.onnxruntime.inplace_cache import DecoderStep
+from graphopt.backends.onnxruntime.decoder.inplace_cache import DecoderStep
 from graphopt.backends.onnxruntime.tool import dims_for
 from graphopt.frontend import export_aten_graph
 

@@ -116,7 +116,7 @@ class Norm(nn.Module):
 def test_graphopt_op_without_onnx_translation_is_decomposed_naming_the_op(monkeypatch):
     if (missing := missing_package()) is not None:  # optional third-party packages; graphopt's module is imported above
         pytest.skip(f"the onnxruntime target needs {missing}: pip install 'graphopt[onnxruntime]'")
-    from graphopt.backends.onnxruntime import translations
+    from graphopt.backends.onnxruntime.lower import translations
 
     table = {k: v for k, v in translations.translation_table().items() if k is not torch.ops.graphopt.rms_norm.default}
     monkeypatch.setattr(translations, "translation_table", lambda: table)

@@ -78,7 +78,7 @@ def test_generate_on_onnxruntime_batch_of_two():
 def test_generate_on_onnxruntime_refuses_a_model_without_an_explicit_cache():
     import torch
 
-    from graphopt.backends.onnxruntime.decoder import OrtRunner
+    from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner
 
     with pytest.raises(GraphoptError, match="like graphopt's built-in Llama.*use --target eager"):
         OrtRunner(torch.nn.Linear(4, 4), Options.parse({"target": "onnxruntime"}))
@@ -86,7 +86,7 @@ def test_generate_on_onnxruntime_refuses_a_model_without_an_explicit_cache():
 
 def test_generate_on_onnxruntime_falls_back_when_export_fails(monkeypatch):
     from graphopt import models
-    from graphopt.backends.onnxruntime import generate as ort_files, inplace_cache
+    from graphopt.backends.onnxruntime.decoder import generate as ort_files, inplace_cache
 
     def broken(*args, **kwargs):
         raise RuntimeError("exporter exploded")

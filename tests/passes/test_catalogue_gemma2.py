@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.backends.onnxruntime import export as export_module
+from graphopt.backends.onnxruntime.lower import export as export_module
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.helpers import assert_matches_eager, count, eager
 

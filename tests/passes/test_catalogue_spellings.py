@@ -160,7 +160,7 @@ def test_transformers_phi3_fuses_fully_on_onnxruntime(impl, monkeypatch):
     pytest.importorskip("onnxruntime", reason="the onnxruntime target needs onnxruntime")
     import transformers
 
-    import graphopt.backends.onnxruntime.export as ort_export
+    import graphopt.backends.onnxruntime.lower.export as ort_export
 
     models, export_graph = [], ort_export.export_graph
 

@@ -190,8 +190,8 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     8-bit codes and scales once, GatherBlockQuantized and MatMulNBits both read them, and the
     bytes behind their inputs equal the pass's total."""
     pytest.importorskip("onnxruntime")
-    from graphopt.backends.onnxruntime.export import export_graph
-    from graphopt.backends.onnxruntime.session import SessionRunner, create_session
+    from graphopt.backends.onnxruntime.lower.export import export_graph
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
     from graphopt.compiler import run_pipeline
     from graphopt.config import Options
     from graphopt.frontend import export_aten_graph

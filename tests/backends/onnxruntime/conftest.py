@@ -6,7 +6,7 @@ import pytest
 @pytest.fixture
 def ort_models(monkeypatch):
     """The ONNX models the target exports during a test, in order."""
-    from graphopt.backends.onnxruntime import export as export_module
+    from graphopt.backends.onnxruntime.lower import export as export_module
 
     models = []
     real = export_module.export_graph

@@ -11,7 +11,7 @@ import torch
 
 import graphopt
 from graphopt import models
-from graphopt.backends.onnxruntime import session as session_module
+from graphopt.backends.onnxruntime.runtime import session as session_module
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.helpers import assert_matches_eager, eager
 
@@ -110,7 +110,7 @@ def test_the_first_graph_releases_its_session_before_the_dynamic_build(monkeypat
     before that build, so the build's copy of the weights is not added on top of it."""
     import weakref
 
-    from graphopt.backends.onnxruntime import session
+    from graphopt.backends.onnxruntime.runtime import session
 
     sessions, alive_at_build = [], []
     create = session.create_session
@@ -278,7 +278,7 @@ def test_a_symint_input_without_the_direct_translation_is_exported_once_per_shap
     """The traced export takes tensors only: a graph whose SymInt input no tensor's size gives,
     and that the direct translation refuses, gets one static model per signature, and the
     note and the log say why."""
-    from graphopt.backends.onnxruntime import direct_export
+    from graphopt.backends.onnxruntime.lower import direct_export
 
     def refuse(*args, **kwargs):
         raise direct_export.NotDirect("refused by the test")
@@ -328,7 +328,7 @@ def test_dynamic_export_reads_attention_inputs_without_layout_round_trips(ort_mo
     the query is rotated as [B, S, H*D] and read straight by GroupQueryAttention, and the
     attention output's Reshapes back are gone. The returned key and value keep the BNSH
     Transposes eager returns them in. Both ways match eager; the tidy-up only removes nodes."""
-    from graphopt.backends.onnxruntime import export as export_module
+    from graphopt.backends.onnxruntime.lower import export as export_module
 
     real = export_module.export_graph
     monkeypatch.setattr(export_module, "export_graph", lambda *a, **k: real(*a, **{**k, "tidy_attention": tidy}))

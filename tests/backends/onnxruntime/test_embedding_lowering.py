@@ -10,10 +10,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
-from graphopt.backends.onnxruntime.session import SessionRunner, create_session
+from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
 from graphopt.backends.onnxruntime.target import onnxruntime
-from graphopt.backends.onnxruntime.translations import embedding as embedding_translation
-from graphopt.backends.onnxruntime.translations import translation_table
+from graphopt.backends.onnxruntime.lower.translations import embedding as embedding_translation
+from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.config import Options
 from graphopt.quant_report import onnx_quantized_bytes
 from graphopt.quantization import quantize_int4, quantize_int8
@@ -136,7 +136,7 @@ def test_bytes_read_refuse_a_weight_that_is_not_an_initializer():
 
 @pytest.mark.parametrize("embedding_bits", [0, 4])
 def test_the_option_decides_whether_onnx_gets_gather_block_quantized(embedding_bits):
-    from graphopt.backends.onnxruntime.export import export_graph
+    from graphopt.backends.onnxruntime.lower.export import export_graph
     from graphopt.compiler import run_pipeline
     from graphopt.frontend import export_aten_graph
 

@@ -12,8 +12,8 @@ import torch
 from typer.testing import CliRunner
 
 from graphopt import models
-from graphopt.backends.onnxruntime import export as export_module
-from graphopt.backends.onnxruntime.generate import decode_path, export_kv_cache, greedy_generate_eager, \
+from graphopt.backends.onnxruntime.lower import export as export_module
+from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache, greedy_generate_eager, \
     greedy_generate_ort
 from graphopt.cli.main import app
 from graphopt.config import Options

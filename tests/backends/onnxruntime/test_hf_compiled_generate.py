@@ -82,7 +82,7 @@ def test_the_compiled_decode_step_reads_attention_inputs_without_layout_round_tr
     """transformers builds each head split's Reshape target from Shape/Concat nodes: the
     layout tidy-up runs again once those are folded, so the decode step keeps no Transpose
     (it kept 4 per layer) and the prefill rotates its query on [B, S, H*D]."""
-    from graphopt.backends.onnxruntime import session
+    from graphopt.backends.onnxruntime.runtime import session
 
     models = []
     create = session.create_session

@@ -12,10 +12,10 @@ import torch
 
 from graphopt import models
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
-from graphopt.backends.onnxruntime.export import export_graph
-from graphopt.backends.onnxruntime.session import SessionRunner, create_session
-from graphopt.backends.onnxruntime.translations import int4 as int4_translation
-from graphopt.backends.onnxruntime.translations import translation_table
+from graphopt.backends.onnxruntime.lower.export import export_graph
+from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
+from graphopt.backends.onnxruntime.lower.translations import int4 as int4_translation
+from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.compiler import run_pipeline
 from graphopt.config import Options
 from graphopt.frontend import export_aten_graph

@@ -20,7 +20,7 @@ pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")
 
 from graphopt.backends.onnxruntime.target import onnxruntime  # noqa: E402
-from graphopt.backends.onnxruntime.translations import int4 as int4_translation  # noqa: E402
+from graphopt.backends.onnxruntime.lower.translations import int4 as int4_translation  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 
 go = torch.ops.graphopt

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from graphopt import lazy_weights
-from graphopt.backends.onnxruntime.export import export_graph
-from graphopt.backends.onnxruntime.session import SessionRunner, create_session
-from graphopt.backends.onnxruntime.translations import int4 as int4_translation
+from graphopt.backends.onnxruntime.lower.export import export_graph
+from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
+from graphopt.backends.onnxruntime.lower.translations import int4 as int4_translation
 from graphopt.ops.quant_blocks import BlockFormat
 from tests.backends.onnxruntime._helpers import Call, export_and_run, rel_err
 from tests.ops.test_quant_blocks import FORMATS, random_blocks, torch_parts

@@ -10,7 +10,7 @@ import torch
 
 import graphopt
 from graphopt import models
-from graphopt.backends.onnxruntime import export as export_module
+from graphopt.backends.onnxruntime.lower import export as export_module
 from graphopt.backends.onnxruntime import target as target_module
 from graphopt.config import Options
 from graphopt.pipeline import DEFAULT_PIPELINE
