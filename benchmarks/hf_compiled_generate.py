@@ -35,8 +35,8 @@ VARIANTS = ("eager", "graphopt", "graphopt-dynamic", "inductor", "inductor-dynam
 def load(name: str):
     """A transformers causal LM: SmolLM2's GGUF (real weights), or a built-in's shape."""
     if name == "smollm2":
-        from graphopt.cli.model_source import load_model
-        from graphopt.cli.tokenizers import smollm2_gguf
+        from graphopt.sources import load_model
+        from graphopt.sources.tokenizers import smollm2_gguf
 
         path = smollm2_gguf()
         if path is None:

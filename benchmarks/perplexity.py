@@ -155,8 +155,8 @@ def main() -> None:
     parser.add_argument("--keep", default=None, help="folder to keep the .onnx files in")
     args = parser.parse_args()
 
-    from graphopt.cli.model_source import load_model
-    from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+    from graphopt.sources import load_model
+    from graphopt.sources.tokenizers import load_tokenizer, smollm2_gguf
 
     spec = args.model or (str(smollm2_gguf()) if smollm2_gguf() else None)
     if spec is None:

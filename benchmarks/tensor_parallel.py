@@ -52,7 +52,7 @@ def _profiled(fn):
 def bench_rank(rank: int, world: int, runner: str, prompt_len: int, new_tokens: int, repeat: int) -> dict:
     import graphopt
     from graphopt.cli.common import time_ms
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.distributed.shard import shard_llama
     from graphopt.generation.api import eager_generate
 

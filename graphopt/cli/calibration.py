@@ -1,7 +1,7 @@
 """``graphopt export --int4 --calibration-text FILE [--calibration-tokens N] [--int4-budget F]``:
 what INT4 calibrates on, turned into ``quantize_int4``'s options.
 
-The text is read as UTF-8 and tokenized with the model's own tokenizer (graphopt/cli/tokenizers.py:
+The text is read as UTF-8 and tokenized with the model's own tokenizer (graphopt/sources/tokenizers.py:
 a .gguf file, or a checkpoint directory with tokenizer.json); its first N token ids become
 ``Int4Options.calibration``, so GPTQ feeds its errors with the activations of real text instead
 of the 32 example token ids. ``--int4-budget`` is ``Int4Options.budget`` and ``--embedding-bits``
@@ -47,7 +47,7 @@ def token_ids(model: str, path: str, tokens: int) -> tuple[list[int], dict[str, 
     if tokens < 1:
         raise GraphoptError(f"--calibration-tokens must be at least 1, got {tokens}")
     text = read_text(path)
-    from graphopt.cli.tokenizers import load_tokenizer
+    from graphopt.sources.tokenizers import load_tokenizer
 
     try:
         tokenizer = load_tokenizer(model)

@@ -28,7 +28,7 @@ def parse_options(pairs: Sequence[str], **given: Any) -> Options:
 
 
 def load(spec: str, seed: int, batch: int, seq_len: int):
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
 
     return load_model(spec, seed=seed, batch=batch, seq_len=seq_len)
 

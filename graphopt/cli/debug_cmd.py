@@ -128,7 +128,7 @@ def _routing(model: str, config, seq_len: int, seed: int, steps: int, json_out: 
     """Greedy decode with ``record_routing`` on (eager target): per MoE layer, tokens per expert
     over prompt and steps, and how often a row's top-k expert set changes from step to step."""
     import graphopt
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.generation import generate
     from graphopt.routing import merged_summary
 

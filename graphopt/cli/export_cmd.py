@@ -178,7 +178,7 @@ def _publish(data: dict, folder: Path, move: bool) -> None:
 
 
 def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
 
     loaded = load_model(spec, seed=seed, batch=batch, seq_len=seq_len, single_output=not kv_cache)
     if kv_cache:

@@ -53,8 +53,8 @@ def generate(
     Example: graphopt generate model.gguf -p "The capital of France is" -n 32 --tp 2 --target eager
     """
     import graphopt
-    from graphopt.cli.model_source import load_model
-    from graphopt.cli.tokenizers import load_tokenizer
+    from graphopt.sources import load_model
+    from graphopt.sources.tokenizers import load_tokenizer
     from graphopt.generation import StopConditions
 
     if max_new_tokens < 1:

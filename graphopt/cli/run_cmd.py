@@ -127,7 +127,7 @@ def _no_reports_reason(target: str, out) -> str | None:
 
 
 def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens: int, json_out: bool) -> None:
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.errors import GraphoptError
     from graphopt.generation import generate_with_reference
 

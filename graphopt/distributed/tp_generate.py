@@ -40,7 +40,7 @@ def _first_mismatch(new: list[list[int]], expected: list[list[int]]) -> int | No
 
 def rank_generate(rank: int, world: int, spec: str, seed: int, batch: int, seq_len: int, tokens: int,
                   options: dict, style: str, prompt: Prompt | None = None) -> dict[str, Any]:
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.distributed.shard import shard_llama
     from graphopt.generation.api import eager_generate, generate
 

@@ -45,7 +45,7 @@ def rank_run(rank: int, world: int, spec: str, seed: int, batch: int, seq_len: i
     """One rank's row: error against the unsharded model, op counts, prefill ms."""
     import graphopt
     from graphopt.cli.common import time_ms
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.distributed.shard import shard_llama
     from graphopt.numerics import compare
 

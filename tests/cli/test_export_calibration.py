@@ -137,7 +137,7 @@ def test_the_help_teaches_the_flags():
 
 
 def test_a_config_json_finds_the_tokenizer_of_its_checkpoint(checkpoint, tmp_path):
-    from graphopt.cli.tokenizers import load_tokenizer
+    from graphopt.sources.tokenizers import load_tokenizer
     from graphopt.errors import ModelLoadError
 
     assert load_tokenizer(str(checkpoint / "config.json"))("the cat")["input_ids"] == \

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import graphopt
-from graphopt.cli.model_source import load_model
+from graphopt.sources import load_model
 from tests.helpers import assert_matches_eager, compile_with_graphopt, eager
 
 REPORT_KEYS = {"backend", "target", "passes", "op_counts", "fallbacks"}

@@ -73,7 +73,7 @@ def test_a_group_this_process_does_not_know_runs_eagerly(group_name):
 def sharded_llama_tiny():
     """A ``package.module:factory`` for graphopt debug: llama-tiny sharded over this
     process's world (functional all-reduces in its row-parallel projections)."""
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.distributed.shard import shard_llama
 
     loaded = load_model("llama-tiny", batch=1, seq_len=8)

@@ -16,7 +16,7 @@ from torch import nn
 import graphopt
 from graphopt.backends.onnxruntime.target import missing_package
 from graphopt.cli.main import main
-from graphopt.cli.model_source import load_model
+from graphopt.sources import load_model
 from graphopt.errors import ModelLoadError, OptionsError
 
 transformers = pytest.importorskip("transformers")

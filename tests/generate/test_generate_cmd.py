@@ -83,7 +83,7 @@ def test_a_model_without_a_tokenizer_is_refused():
 def test_gguf_without_its_packages_names_them(tmp_path, monkeypatch):
     import importlib.util
 
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
 
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"GGUF")

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from graphopt.cli.main import app
-from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+from graphopt.sources.tokenizers import load_tokenizer, smollm2_gguf
 from graphopt.generation import StopConditions, eager_generate
 from graphopt.targets import detect_hardware
 
@@ -25,7 +25,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
 
     return load_model(str(GGUF), single_output=False).module, load_tokenizer(str(GGUF))
 

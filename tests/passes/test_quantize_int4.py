@@ -239,7 +239,7 @@ def test_llama_tiny_logits_bytes_and_report():
 
 
 def test_int4_option_adds_the_pass_and_the_report_block():
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.pipeline import DEFAULT_PIPELINE
 
     loaded = load_model("llama-tiny", seq_len=8)
@@ -266,7 +266,7 @@ def test_int4_option_adds_the_pass_and_the_report_block():
 def test_the_eager_target_says_its_quantized_ops_are_the_slow_reference():
     """The eager target dequantizes every weight at each call; the report says so and names
     the targets with INT4 kernels, and says nothing on a float graph or an INT4 one on ORT."""
-    from graphopt.cli.model_source import load_model
+    from graphopt.sources import load_model
     from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
 
     loaded = load_model("llama-tiny", seq_len=8)

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from graphopt.backends.onnxruntime.decoder.generate import decode_path, greedy_generate_eager, greedy_generate_ort  # noqa: E402
 from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session  # noqa: E402
-from graphopt.cli.model_source import load_model  # noqa: E402
+from graphopt.sources import load_model  # noqa: E402
 from graphopt.generation.runner import HFCausalStep  # noqa: E402
 
 runner = CliRunner()

@@ -45,7 +45,7 @@ def _model(family: str, layers: int = LAYERS):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_transformers_moe_runs_wholly_on_ort_with_one_moe_per_layer(family, ort_models):
-    from graphopt.cli.model_source import OutputOnly
+    from graphopt.sources import OutputOnly
 
     model = OutputOnly(_model(family), "logits", causal=True)
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))

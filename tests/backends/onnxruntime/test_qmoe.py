@@ -137,7 +137,7 @@ def _compiled(model, target: str, int4: bool):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_transformers_moe_with_int4_experts_runs_as_qmoe(family, ort_models, level0):
-    from graphopt.cli.model_source import OutputOnly
+    from graphopt.sources import OutputOnly
 
     model = OutputOnly(_model(family), "logits", causal=True)
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -162,7 +162,7 @@ def test_transformers_moe_with_int4_experts_runs_as_qmoe(family, ort_models, lev
 
 
 def test_skip_pattern_leaves_the_experts_in_full_precision():
-    from graphopt.cli.model_source import OutputOnly
+    from graphopt.sources import OutputOnly
 
     model = OutputOnly(_model("mixtral"), "logits", causal=True)
     ids = torch.randint(0, 96, (1, 5), generator=torch.Generator().manual_seed(2))

@@ -78,7 +78,7 @@ def test_bert_tiny_matches_eager(exported):
 
 def test_transformers_llama_matches_eager():
     transformers = pytest.importorskip("transformers")
-    from graphopt.cli.model_source import OutputOnly
+    from graphopt.sources import OutputOnly
 
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)

@@ -163,7 +163,7 @@ def _moe_models():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_mixture_of_experts_runs_on_ort_with_only_the_expert_dispatch_off_it(family):
-    from graphopt.cli.model_source import OutputOnly
+    from graphopt.sources import OutputOnly
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""``.gguf`` files (llama.cpp's format) for ``model_source``: transformers reads and
+"""``.gguf`` files (llama.cpp's format) for ``load``: transformers reads and
 dequantizes them to float weights, with the ``gguf`` and ``accelerate`` packages."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from graphopt.cli.gguf_cache import load_or_convert, save_dequantized
-from graphopt.cli.hf_source import OutputOnly, import_transformers
-from graphopt.cli.source_common import LoadedModel, first_line
+from graphopt.sources.common import LoadedModel, first_line
+from graphopt.sources.gguf_cache import load_or_convert, save_dequantized
+from graphopt.sources.hf import OutputOnly, import_transformers
 from graphopt.errors import ModelLoadError
 
 
@@ -26,7 +26,7 @@ def from_gguf(path: Path, seed: int, batch: int, seq_len: int, single: bool, dty
     gguf_packages()
     auto = transformers.AutoModelForCausalLM
     try:
-        # Converted once, then read from its kept checkpoint folder (graphopt/cli/gguf_cache.py).
+        # Converted once, then read from its kept checkpoint folder (graphopt/sources/gguf_cache.py).
         model = load_or_convert(path, "model", dtype,
                                 lambda: auto.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype),
                                 lambda folder: auto.from_pretrained(folder, dtype=dtype), save_dequantized)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from graphopt.cli.gguf_cache import load_or_convert
-from graphopt.cli.model_source import _first_line, _transformers, gguf_packages
+from graphopt.sources.gguf_cache import load_or_convert
+from graphopt.sources.load import _first_line, _transformers, gguf_packages
 from graphopt.errors import ModelLoadError
 
 
@@ -35,7 +35,7 @@ def load_tokenizer(spec: str) -> Any:
     transformers = _transformers()
     auto = transformers.AutoTokenizer
     try:
-        if where:  # a .gguf: converted once, then read from its kept folder (graphopt/cli/gguf_cache.py)
+        if where:  # a .gguf: converted once, then read from its kept folder (graphopt/sources/gguf_cache.py)
             tokenizer = load_or_convert(path, "tokenizer", None, lambda: auto.from_pretrained(str(folder), **where),
                                         auto.from_pretrained)
         else:

@@ -19,7 +19,7 @@ gives one tensor per call wherever graphopt knows the model (logits, or the last
 state), so the commands that compare against eager compare one tensor.
 
 Built-in names and the dispatch are here; each other kind loads in its own module:
-``hf_source`` (config.json, checkpoint directory), ``gguf_source``, ``factory_source``.
+``hf`` (config.json, checkpoint directory), ``gguf``, ``factory``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,12 @@ import torch
 from torch import Tensor, nn
 
 from graphopt import models
-from graphopt.cli.factory_source import from_factory
-from graphopt.cli.gguf_source import from_gguf, gguf_packages
-from graphopt.cli.hf_source import PICKLE_SUFFIXES, OutputOnly, hf_model, pickle_refusal, read_config
-from graphopt.cli.hf_source import import_transformers as _transformers  # noqa: F401  (tokenizers.py's name)
-from graphopt.cli.source_common import LoadedModel
-from graphopt.cli.source_common import first_line as _first_line  # noqa: F401  (tokenizers.py's name)
+from graphopt.sources.common import LoadedModel
+from graphopt.sources.common import first_line as _first_line  # noqa: F401  (tokenizers.py's name)
+from graphopt.sources.factory import from_factory
+from graphopt.sources.gguf import from_gguf, gguf_packages
+from graphopt.sources.hf import PICKLE_SUFFIXES, OutputOnly, hf_model, pickle_refusal, read_config
+from graphopt.sources.hf import import_transformers as _transformers  # noqa: F401  (tokenizers.py's name)
 from graphopt.errors import ModelLoadError
 
 # Callers import these from here whichever module loads the kind of model they name.

@@ -1,5 +1,5 @@
 """What every model source returns (``LoadedModel``), and the one line of an exception that
-its ``ModelLoadError`` quotes. See ``graphopt/cli/model_source.py`` for the sources."""
+its ``ModelLoadError`` quotes. See ``graphopt/sources/load.py`` for the sources."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from graphopt import models
-from graphopt.cli.model_source import LoadedModel, load_model
+from graphopt.sources import LoadedModel, load_model
 from graphopt.errors import ModelLoadError
 
 transformers = pytest.importorskip("transformers")
@@ -167,14 +167,14 @@ def test_weights_of_another_shape_are_refused(tmp_path: Path):
 
 
 def test_factory_returning_module_and_inputs():
-    loaded = load_model("tests.models.factory_helper:make")
+    loaded = load_model("tests.sources.factory_helper:make")
     assert loaded.family == "custom" and loaded.example_inputs[0].shape == (2, 8)
     assert run(loaded).shape == (2, 8)
     assert not loaded.module.training
 
 
 def test_factory_returning_a_builtin_module_gets_its_inputs():
-    loaded = load_model("tests.models.factory_helper:make_llama", seed=5, seq_len=4)
+    loaded = load_model("tests.sources.factory_helper:make_llama", seed=5, seq_len=4)
     logits, _ = run(loaded)  # a factory's module is used as it comes
     assert logits.shape == (1, 4, 256)
 
@@ -182,12 +182,12 @@ def test_factory_returning_a_builtin_module_gets_its_inputs():
 @pytest.mark.parametrize(
     ("spec", "match"),
     [
-        ("tests.models.no_such_module:make", "cannot import"),
-        ("tests.models.factory_helper:missing", "no callable"),
-        ("tests.models.factory_helper:not_callable", "no callable"),
-        ("tests.models.factory_helper:broken", "out of coffee"),
-        ("tests.models.factory_helper:make_plain", "without example inputs"),
-        ("tests.models.factory_helper:make:extra", "package.module:function"),
+        ("tests.sources.no_such_module:make", "cannot import"),
+        ("tests.sources.factory_helper:missing", "no callable"),
+        ("tests.sources.factory_helper:not_callable", "no callable"),
+        ("tests.sources.factory_helper:broken", "out of coffee"),
+        ("tests.sources.factory_helper:make_plain", "without example inputs"),
+        ("tests.sources.factory_helper:make:extra", "package.module:function"),
     ],
 )
 def test_bad_factory_specs(spec: str, match: str):

@@ -1,4 +1,4 @@
-"""``package.module:factory`` specs for ``model_source``: a callable, imported from the current
+"""``package.module:factory`` specs for ``load``: a callable, imported from the current
 directory or PYTHONPATH, that returns a module or ``(module, example_inputs)``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from graphopt import models
-from graphopt.cli.source_common import LoadedModel, first_line
+from graphopt.sources.common import LoadedModel, first_line
 from graphopt.errors import ModelLoadError
 
 

@@ -1,6 +1,6 @@
-"""Hugging Face models for ``model_source``: a ``config.json`` built with seeded random
+"""Hugging Face models for ``load``: a ``config.json`` built with seeded random
 weights, or a checkpoint directory whose ``*.safetensors`` weights are copied in; pickle
-checkpoints are refused (see ``model_source``'s docstring). Also ``OutputOnly``, the wrapper
+checkpoints are refused (see ``load``'s docstring). Also ``OutputOnly``, the wrapper
 that makes a Hugging Face model return one tensor, which the GGUF source uses too."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from graphopt.cli.source_common import LoadedModel, first_line
+from graphopt.sources.common import LoadedModel, first_line
 from graphopt.errors import ModelLoadError
 
 log = logging.getLogger(__name__)

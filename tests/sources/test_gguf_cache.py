@@ -1,4 +1,4 @@
-"""graphopt/cli/gguf_cache.py: a .gguf converted once is read from its kept folder next time;
+"""graphopt/sources/gguf_cache.py: a .gguf converted once is read from its kept folder next time;
 a changed file, a damaged folder or the cache turned off read the .gguf again."""
 
 import os
@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from graphopt.cli import gguf_cache
+from graphopt.sources import gguf_cache
 
 
 @pytest.fixture()
@@ -82,8 +82,8 @@ def test_off_keeps_nothing(tmp_path, monkeypatch):
 def test_smollm2_from_its_kept_folder_has_the_same_weights_and_tokens(cache):
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from graphopt.cli.model_source import load_model
-    from graphopt.cli.tokenizers import load_tokenizer, smollm2_gguf
+    from graphopt.sources import load_model
+    from graphopt.sources.tokenizers import load_tokenizer, smollm2_gguf
 
     gguf = smollm2_gguf()
     if gguf is None:

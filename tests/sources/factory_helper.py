@@ -1,4 +1,4 @@
-"""Factories for the ``package.module:factory`` model specs in test_model_source.py."""
+"""Factories for the ``package.module:factory`` model specs in test_load.py."""
 
 from __future__ import annotations
 
