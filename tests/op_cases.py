@@ -35,6 +35,22 @@ def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q.packed, q.scales
 
 
+def block_weight(n: int, k: int, bits: int, zeros: bool, offsets: bool) -> list[torch.Tensor | None]:
+    """[codes, scales, zeros, offsets] of a random block-quantized weight [n, k] (blocks of 32),
+    as a checkpoint's Q4_1 (4 bits, zero points, offsets) or Q8_0 (8 bits) arrive."""
+    from graphopt.ops.quant_blocks import BlockQuantized, pack_codes, pack_zero_points
+
+    gen = torch.Generator().manual_seed(n * k + bits)
+    groups = k // 32
+    codes = torch.randint(0, 1 << bits, (n, groups, 32), generator=gen, dtype=torch.uint8).numpy()
+    zero = torch.randint(0, 1 << bits, (n, groups), generator=gen, dtype=torch.uint8).numpy()
+    blocks = BlockQuantized(bits, 32, k, zeros, offsets, codes=pack_codes(codes, bits),
+                            scales=(nonzero_random(n, groups) * 0.02).numpy(),
+                            zeros=pack_zero_points(zero, bits), offsets=(nonzero_random(n, groups) * 0.01).numpy())
+    return [torch.from_numpy(getattr(blocks, f)) if getattr(blocks, f) is not None else None
+            for f in ("codes", "scales", "zeros", "offsets")]
+
+
 def int4_experts(experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed [E, n, k / 2], scales [E, n, k / 32]) of symmetric group-32 INT4 expert weights."""
     from graphopt.quantization import quantize_int4
@@ -94,6 +110,14 @@ OP_CASES = {
                             lambda ids, codes, scales: g.quantized_embedding(codes, scales, ids, 4, 32, 64,
                                                                              torch.float32),
                             (torch.tensor([[3, 0, 23], [5, 5, 1]]), *int4_weight(24, 64))),
+    "quantized_linear": ("graphopt.quantized_linear",
+                         lambda x, codes, scales, zeros, offsets: g.quantized_linear(x, codes, scales, zeros, offsets,
+                                                                                      4, 32),
+                         (_r(3, 64), *block_weight(24, 64, 4, True, True))),
+    "quantized_gather": ("graphopt.quantized_gather",
+                         lambda ids, codes, scales: g.quantized_gather(codes, scales, None, None, ids, 8, 32,
+                                                                       torch.float32),
+                         (torch.tensor([[3, 0, 23], [5, 5, 1]]), *block_weight(24, 64, 8, False, False)[:2])),
     "moe": ("graphopt.moe", lambda x, wr, gu, d, sgu, sd, sg: g.moe(x, wr, gu, d, 2, True, sgu, sd, sg),
             (_r(5, 24), _r(4, 24), _r(4, 20, 24) * 0.3, _r(4, 24, 10) * 0.3,  # router, experts
              _r(12, 24) * 0.3, _r(24, 6) * 0.3, _r(1, 24))),  # shared expert and its gate
