@@ -81,6 +81,14 @@ def source_of(t: torch.Tensor) -> Any | None:
     return _View(source, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
 
 
+def fingerprint(t: torch.Tensor) -> str | None:
+    """What a lazy weight's data depends on (its file's identity and where in it), for cache
+    keys that must not read the weight; None when ``t`` is not lazy or its source cannot say."""
+    source = source_of(t)
+    method = getattr(source, "fingerprint", None)
+    return method() if method is not None else None
+
+
 def materialize(t: torch.Tensor) -> torch.Tensor:
     """``t``'s data (a real tensor); ``t`` itself when it is real."""
     if not is_lazy(t):
@@ -175,6 +183,26 @@ def replace_parameters(module: torch.nn.Module, sources: dict[str, Any], mode: F
             if id(param) not in made:
                 made[id(param)] = torch.nn.Parameter(fake(mode, source_of_param[id(param)]), requires_grad=False)
             sub._parameters[name] = made[id(param)]
+
+
+def has_lazy_weights(module: torch.nn.Module) -> bool:
+    return any(is_lazy(t) for t in module.state_dict(keep_vars=True).values())
+
+
+def materialize_module(module: torch.nn.Module) -> int:
+    """Replace every lazy parameter and buffer of ``module`` by its data (a weight tied under
+    two names stays one tensor), so it runs eagerly; returns how many tensors were read."""
+    loaded: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in list(table.items()):
+                if t is None or not is_lazy(t):
+                    continue
+                if id(t) not in loaded:
+                    data = materialize(t)
+                    loaded[id(t)] = torch.nn.Parameter(data, requires_grad=False) if table is sub._parameters else data
+                table[name] = loaded[id(t)]
+    return len(loaded)
 
 
 def load_constants(gm: torch.fx.GraphModule) -> int:

@@ -28,7 +28,11 @@ def generate(
     prompt: list[str] = typer.Option(..., "--prompt", "-p", help="a prompt (repeatable: several decode as one "
                                      "left-padded batch)"),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n", help="new tokens per prompt at most"),
-    int4: bool = typer.Option(False, "--int4", help="quantize linear weights to 4 bits (pass quantize_int4)"),
+    int4: bool = typer.Option(False, "--int4", help="quantize float linear weights to 4 bits (pass quantize_int4); "
+                              "a .gguf's quantized weights stay the file's own"),
+    dequantize: bool = typer.Option(False, "--dequantize", help="read a .gguf as transformers does: every weight "
+                                    "dequantized to float32 in memory (by default the file's own quantized "
+                                    "weights run, read from the file when the runtime is built)"),
     target: str = typer.Option(None, "--target", "-t", help="auto | eager | onnxruntime | triton | tensorrt"),
     chat: bool = typer.Option(False, "--chat", help="wrap each prompt in the tokenizer's chat template as a user turn"),
     stop: list[str] = typer.Option([], "--stop", help="stop a row when its text contains this (repeatable)"),
@@ -65,7 +69,7 @@ def generate(
     with step(f"loading {model}", json_out):
         tokenizer = load_tokenizer(model)
         texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
-        loaded = load_model(model, single_output=False)
+        loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
     if loaded.family != "hf-causal-lm":
         raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
@@ -88,7 +92,7 @@ def generate(
                 "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
     summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
                "outputs": outputs, "compile_s": out.compile_s, "compile_stages": out.compile_stages,
-               "fallback": out.fallback, "notes": out.notes}
+               "fallback": out.fallback, "notes": loaded.notes + out.notes}
     if json_out:
         print_json(summary)
         return

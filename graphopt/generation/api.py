@@ -33,6 +33,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from graphopt import lazy_weights
 from graphopt.config import Options
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
@@ -69,6 +70,23 @@ def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attentio
         raise GraphoptError(f"max_length {max_length} cannot hold the prompt ({prompt}) and {max_new_tokens} new "
                             f"tokens; pass max_length >= {prompt + max_new_tokens - 1}")
     return max_length
+
+
+def _materialize_unless_streamed(model: nn.Module, config: Options, reference: bool) -> str | None:
+    """Read a lazy model's weights into memory (dequantized) unless only the onnxruntime decoder,
+    which writes them from the checkpoint itself, will run it; the note says so."""
+    if not lazy_weights.has_lazy_weights(model):
+        return None
+    try:
+        streamed = resolve_name(config) == "onnxruntime" and not reference
+    except TargetUnavailable:
+        streamed = False
+    if streamed:
+        return None
+    count = lazy_weights.materialize_module(model)
+    return (f"read {count} checkpoint tensors into memory as float for "
+            f"{'the eager reference' if reference else 'target ' + config.target}: only the onnxruntime target "
+            "runs a quantized checkpoint's own weights")
 
 
 def make_runner(model: nn.Module, config: Options, max_length: int):
@@ -149,6 +167,7 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
     sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}
     sampler = lambda: Sampler(**sampling, device=input_ids.device)  # noqa: E731  (one RNG stream per runner)
     Sampler(**sampling)  # bad sampling arguments fail here, in one line
+    lazy_note = _materialize_unless_streamed(model, config, reference)
     with inference_mode(model):
         if max_new_tokens == 0:
             return [GenerateResult(input_ids, input_ids.shape[1], new_lengths=[0] * input_ids.shape[0])] * 2
@@ -167,6 +186,8 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
             if reused:
                 mine.compile_stages = {}  # its stages are the earlier call's build
                 mine.notes.append("reused the step runner an earlier generate call compiled for this model")
+            if lazy_note:
+                mine.notes.append(lazy_note)
             if config.int4 and mine.target == "eager":
                 from graphopt.compiler import REFERENCE_QUANTIZED_NOTE
 
@@ -180,6 +201,7 @@ def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference:
         if config.fallback == "error":
             raise GraphoptError(f"graphopt.generate could not build a step for target {config.target}: {reason}")
         log.warning("graphopt.generate: %s; decoding eagerly with the model's own cache", reason)
+        _materialize_unless_streamed(model, config.replace(target="eager"), reference)
         runners = [EagerRunner(model) for _ in range(1 + reference)]
         results = _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)
         results[0].fallback = reason

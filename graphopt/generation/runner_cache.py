@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
+from graphopt import lazy_weights
+
 from graphopt.cache_root import tensor_bytes
 from graphopt.config import Options
 
@@ -60,7 +62,15 @@ def weights_key(model: nn.Module) -> tuple:
     (only possible in inference mode) go unseen, so such a model's key holds a hash of its
     values instead of versions."""
     tensors = [*model.parameters(), *model.buffers()]
-    return (model.training, tuple((t.data_ptr(), _version(t), t.dtype, t.device.type) for t in tensors))
+    return (model.training, tuple((_address(t), _version(t), t.dtype, t.device.type) for t in tensors))
+
+
+def _address(t) -> int | str:
+    """Where a tensor's data is: its address, or for a lazy weight (no data here) where in its
+    checkpoint it is read from."""
+    if lazy_weights.is_lazy(t):
+        return lazy_weights.fingerprint(t) or id(t)
+    return t.data_ptr()
 
 
 def _version(t) -> int | str:

@@ -3,7 +3,7 @@ its ``ModelLoadError`` quotes. See ``graphopt/sources/load.py`` for the sources.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -16,6 +16,7 @@ class LoadedModel:
     module: nn.Module
     example_inputs: tuple
     family: str  # "llama" | "bert" | "hf-causal-lm" | "hf-encoder" | "custom"
+    notes: list[str] = field(default_factory=list)  # how it was loaded, when the user should know
 
 
 def first_line(exc: BaseException) -> str:

@@ -13,6 +13,7 @@ first), type and offset, and the data section at the next multiple of ``general.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ class GGUFFile:
             pos += 4 + 8 * n_dims + 12
             infos.append((name, tuple(reversed(dims)), kind, offset))
         alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = -(-pos // alignment) * alignment
+        data_start = self.data_start = -(-pos // alignment) * alignment
         for name, shape, kind, offset in infos:
             nbytes = _tensor_nbytes(shape, kind)
             start = data_start + offset
@@ -165,6 +166,25 @@ class GGUFFile:
         if float_dtype is not None:
             return raw.view(float_dtype).reshape(info.shape)
         return raw.reshape(-1, info.nbytes // max(1, _rows(info.shape)))
+
+    @functools.cached_property
+    def identity_key(self) -> str:
+        return self.identity()
+
+    def identity(self) -> str:
+        """A key that changes with the file: its real path, size and modification time, a hash of
+        its whole header (metadata and tensor table) and of the first and last MiB of its tensor
+        data. Hashing every byte would cost a second per GB on each run."""
+        import hashlib
+
+        stat = self.path.resolve().stat()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{self.path.resolve()};{stat.st_size};{stat.st_mtime_ns};".encode())
+        sample = 1 << 20
+        for start, end in ((0, self.data_start), (self.data_start, self.data_start + sample),
+                           (max(self.data_start, len(self._map) - sample), len(self._map))):
+            h.update(self._map[start:end])
+        return h.hexdigest()
 
     def release(self, name: str) -> None:
         """Let go of the pages the tensor's bytes occupy in this process (they stay in the page

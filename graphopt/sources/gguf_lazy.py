@@ -133,6 +133,11 @@ class GGUFTensor:
     def block_format(self) -> BlockFormat | None:
         return FORMATS.get(self.ggml_type) if self.packed else None
 
+    def fingerprint(self) -> str:
+        """What the tensor's bytes depend on, for cache keys (``lazy_weights.fingerprint``)."""
+        rows = "" if self.rows is None else ";rows=" + ",".join(map(str, self.rows[:8])) + f"..{len(self.rows)}"
+        return f"gguf:{self.file.identity_key}:{self.gguf_name}:{self.ggml_type}:{self.packed}{rows}"
+
     def block_quantized(self):
         raw = self.file.data(self.gguf_name)
         if self.rows is not None:

@@ -6,8 +6,9 @@ A spec is one of:
   built from the config with seeded random weights, which is all a compiler needs to show
   what its passes do;
 - a checkpoint directory with ``config.json`` and ``*.safetensors`` weights;
-- a ``.gguf`` file (llama.cpp's format): transformers reads and dequantizes it to float
-  weights, with the ``gguf`` and ``accelerate`` packages;
+- a ``.gguf`` file (llama.cpp's format): by default the model runs on the file's own
+  (quantized) weights, read when a runtime needs them; ``gguf_weights="dequantize"`` reads it
+  transformers' way, dequantized to float (``gguf.py``);
 - ``package.module:factory``, a callable returning a module or ``(module, example_inputs)``.
 
 Weights load from safetensors only. ``.bin``/``.pt`` checkpoints are pickles, and unpickling
@@ -65,6 +66,7 @@ def load_model(
     seq_len: int = 16,
     single_output: bool = True,
     dtype: torch.dtype = torch.float32,
+    gguf_weights: str = "file",
 ) -> LoadedModel:
     """Load ``spec`` in eval mode on the CPU, with inputs of ``batch`` x ``seq_len`` tokens.
 
@@ -72,6 +74,8 @@ def load_model(
     float32 by default, because numeric checks against eager need the headroom.
     ``single_output=False`` keeps the raw module (a built-in Llama then also returns its cache,
     a Hugging Face model its output object). A factory's module is used as it comes.
+    ``gguf_weights``: "file" (a .gguf's own weights, left in the file until a runtime reads
+    them) or "dequantize" (transformers' float model).
     """
     if batch < 1 or seq_len < 1:
         raise ModelLoadError(f"batch ({batch}) and seq_len ({seq_len}) must be at least 1")
@@ -79,7 +83,7 @@ def load_model(
         return _builtin(spec, seed, batch, seq_len, single_output, dtype)
     path = Path(spec).expanduser()
     if path.exists():
-        return _from_path(path, seed, batch, seq_len, single_output, dtype)
+        return _from_path(path, seed, batch, seq_len, single_output, dtype, gguf_weights)
     if ":" in spec and not _looks_like_path(spec):
         return from_factory(spec, seed, batch, seq_len)
     if _looks_like_path(spec):
@@ -108,10 +112,11 @@ def _builtin(name: str, seed: int, batch: int, seq_len: int, single: bool, dtype
 # --- a path: a config.json, a checkpoint directory or a .gguf file --------------------------
 
 
-def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype) -> LoadedModel:
+def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype,
+               gguf_weights: str = "file") -> LoadedModel:
     if path.is_file():
         if path.suffix == ".gguf":
-            return from_gguf(path, seed, batch, seq_len, single, dtype)
+            return from_gguf(path, seed, batch, seq_len, single, dtype, gguf_weights)
         if path.suffix == ".json":
             config = read_config(path)
             return hf_model(str(path), config, [], seed, batch, seq_len, single, dtype)

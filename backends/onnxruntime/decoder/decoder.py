@@ -47,6 +47,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from graphopt import lazy_weights
+from graphopt.backends.onnxruntime.runtime import heap_trim
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
 from graphopt.threads import torch_threads
@@ -239,13 +241,40 @@ class OrtRunner:
                 self.notes.append(f"the kept decoder in {kept.parent} did not load ({type(error).__name__}); "
                                   "exported again")
         model, result = export_decoder(self.model, _export_prompt(input_ids), config, timer)
-        with timer("session"):
-            self.decoder = InPlaceSession(_decoder_session(model))
+        records, fallbacks = [r.to_dict() for r in result.records], result.fallbacks
+        self.notes += model.notes
+        if lazy_weights.has_lazy_weights(self.model):
+            # The weights are still in the checkpoint: write them out one tensor at a time and open
+            # the session on the file, instead of holding them all to hand them over in memory.
+            del result
+            self._open_written(model, key, timer)
+        else:
+            with timer("session"):
+                self.decoder = InPlaceSession(_decoder_session(model))
+            if key:
+                with timer("cache store"):
+                    self.notes.append(decoder_cache.store(key, model)[1])
+        self.export_result = tool.ExportResult([], timer.seconds, records, fallbacks)
+
+    def _open_written(self, model, key: str | None, timer) -> None:
+        """Write ``model`` (lazy weights) to the decoder cache, or to a temporary folder when the
+        cache is off or cannot be written, and open the session on the written file."""
+        from graphopt.backends.onnxruntime.decoder import decoder_cache
+
+        path = None
         if key:
             with timer("cache store"):
-                self.notes.append(decoder_cache.store(key, model)[1])
-        self.export_result = tool.ExportResult([], timer.seconds, [r.to_dict() for r in result.records],
-                                               result.fallbacks)
+                path, note = decoder_cache.store(key, model)
+            self.notes.append(note)
+        if path is None:
+            self._scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
+            path = Path(self._scratch.name) / "model.onnx"
+            with timer("write"):
+                model.save(path, external_data=True)
+        del model
+        heap_trim.release_free_heap()  # the export's objects are gone: hand their memory back before the session takes its own
+        with timer("session"):
+            self.decoder = InPlaceSession(_decoder_session(str(path)))
 
     def _export_pair(self, input_ids: Tensor) -> None:
         from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache

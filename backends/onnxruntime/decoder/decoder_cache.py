@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from graphopt import lazy_weights
 from graphopt.cache_root import cache_root, evict_lru, package_version, tensor_bytes, write_entry
 
 KEEP_BYTES = 4 << 30
@@ -74,9 +75,12 @@ def decoder_key(model: nn.Module, options: dict) -> str:
     h.update(repr(config).encode())
     h.update(repr(sorted(options.items())).encode())
     with torch.no_grad():
-        for name, t in model.state_dict().items():
+        for name, t in model.state_dict(keep_vars=True).items():
             h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-            h.update(tensor_bytes(t))
+            # A lazy weight (a checkpoint read when written out) by its file's identity and
+            # place: hashing it would read the whole checkpoint on every run.
+            print_ = lazy_weights.fingerprint(t)
+            h.update(print_.encode() if print_ is not None else tensor_bytes(t.detach()))
     return h.hexdigest()
 
 

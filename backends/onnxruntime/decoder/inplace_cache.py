@@ -228,12 +228,12 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
     batch, length = prompt.shape
     positions = torch.arange(length).repeat(batch, 1)
     last = torch.arange(batch) % length  # any in-range rows: values do not shape the graph
-    with torch.no_grad():
-        layers = (len(step(prompt, positions, last)) - 1) // 2
     sequence = {0: "batch", 1: "sequence"}
     axes = [sequence, sequence, {0: "batch"}]
-    with timer("torch.export"):
-        program = export_aten_graph(step, (prompt, positions, last), dynamic_shapes=tuple(tool.dims_for(axes)))
+    with timer("torch.export"):  # a decoder's layers repeat: traced once (graphopt/repeated_layers.py)
+        program = export_aten_graph(step, (prompt, positions, last), dynamic_shapes=tuple(tool.dims_for(axes)),
+                                    trace_repeated_once=True)
+    layers = (len(program.gm.graph.output_node().args[0]) - 1) // 2  # logits, then a key and a value per layer
     with timer("passes"):
         result, _ = run_pipeline(program.gm, config, program.example_inputs)
     with timer("onnx export"):
@@ -248,6 +248,7 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
             folded = rotary_fold.fold_rotary_into_attention(onnx_model.model, positions)
             if folded["rotary"]:
                 onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
+    onnx_model.notes = list(program.notes)
     graph = onnx_model.model.graph
     onnx_model.input_names = [v.name for v in graph.inputs]
     onnx_model.output_names = [v.name for v in graph.outputs]

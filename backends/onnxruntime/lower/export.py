@@ -61,6 +61,7 @@ class OnnxModel:
     # Graph inputs (placeholder positions) the model takes after its tensors, as 0-d int64
     # tensors: SymInts that no tensor input's size gives (``signatures.SizePlan.scalars``).
     scalar_inputs: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how it was made (the frontend's layer stamping, ...)
 
     def op_histogram(self) -> dict[str, int]:
         """``{"com.microsoft::GroupQueryAttention": 8, "MatMul": 57, ...}`` over the main graph."""
