@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 
 class Source(Protocol):
-    """Where a weight's data comes from. ``load`` returns a real tensor of ``shape`` and ``dtype``."""
+    """Where a weight's data comes from. ``load`` returns a real tensor of ``shape`` and ``dtype``;
+    a block-quantized source also has ``block_format()`` and ``block_quantized(rows=None)``."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -156,10 +157,21 @@ class _Derived:
             joined = joined.widened(f)
         return joined
 
-    def block_quantized(self):
+    def block_quantized(self, rows: slice | None = None):
+        """The parts' blocks stacked; with ``rows``, only the parts' rows that fall in them."""
         from graphopt.ops.quant_blocks import concatenate
 
-        return concatenate([p.block_quantized() for p in self.parts])
+        target = self.block_format()
+        start, stop = (0, self.shape[0]) if rows is None else (rows.start, rows.stop)
+        taken, offset = [], 0
+        for part in self.parts:
+            size = part.shape[0]
+            low, high = max(start, offset), min(stop, offset + size)
+            if low < high:
+                whole = low == offset and high == offset + size
+                taken.append(part.block_quantized(None if whole else slice(low - offset, high - offset)))
+            offset += size
+        return concatenate([b.widen(target) for b in taken])
 
 
 def block_format(source: Any):

@@ -57,9 +57,9 @@ def generate(
     Example: graphopt generate model.gguf -p "The capital of France is" -n 32 --tp 2 --target eager
     """
     import graphopt
-    from graphopt.sources import load_model
-    from graphopt.sources.tokenizers import load_tokenizer
     from graphopt.generation import StopConditions
+    from graphopt.sources import load_checkpoint, load_model
+    from graphopt.sources.tokenizers import load_tokenizer
 
     if max_new_tokens < 1:
         raise GraphoptError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -67,32 +67,37 @@ def generate(
         raise GraphoptError(f"--tp must be at least 1 (the number of tensor-parallel ranks), got {tp}")
     config = parse_options(option, target=target, **({"int4": True} if int4 else {}))
     with step(f"loading {model}", json_out):
-        tokenizer = load_tokenizer(model)
+        tokenizer = load_tokenizer(model, slim=not chat)  # a chat template needs transformers' renderer
         texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
-        loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
-    if loaded.family != "hf-causal-lm":
-        raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
+        # A .gguf on its own weights is a Checkpoint: the decoder an earlier run kept for it opens
+        # without building the model; --tp shards a module, so it builds one.
+        checkpoint = None if dequantize or tp > 1 else load_checkpoint(model)
+        if checkpoint is None:
+            loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
+            if loaded.family != "hf-causal-lm":
+                raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
+    decoded, load_notes = (checkpoint, []) if checkpoint is not None else (loaded.module, loaded.notes)
     encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-    eos = _eos_ids(tokenizer, loaded.module)
+    eos = _eos_ids(tokenizer, loaded.module if checkpoint is None else None)
     stops = StopConditions(eos, tuple(stop), decode=tokenizer.decode, pad_token_id=tokenizer.pad_token_id)
     if tp > 1:  # the same decode on N ranks, one shard each (graphopt.distributed.tp_generate)
         from graphopt.distributed.cli import generate_text_tp_cmd
 
         generate_text_tp_cmd(model, tp, config.to_dict(), prompt, encoded, stops, tokenizer, max_new_tokens,
-                             json_out, module=loaded.module)
+                             json_out, module=decoded)
         return
     stream = _Stream(tokenizer) if len(prompt) == 1 and not json_out else None
     if stream:
         sys.stdout.write(prompt[0] if not chat else "")
     with step(f"generating on target {config.target}", json_out or stream is not None):
-        out = graphopt.generate(loaded.module, encoded["input_ids"], max_new_tokens,
+        out = graphopt.generate(decoded, encoded["input_ids"], max_new_tokens,
                                 attention_mask=encoded["attention_mask"], stop=stops, options=config.to_dict(),
                                 on_token=stream)
     outputs = [{"prompt": p, "text": tokenizer.decode(out.token_ids(i), skip_special_tokens=True),
                 "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
     summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
                "outputs": outputs, "compile_s": out.compile_s, "compile_stages": out.compile_stages,
-               "fallback": out.fallback, "notes": loaded.notes + out.notes}
+               "fallback": out.fallback, "notes": load_notes + out.notes}
     if json_out:
         print_json(summary)
         return

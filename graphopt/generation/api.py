@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from graphopt import lazy_weights
 from graphopt.config import Options
 from graphopt.errors import GraphoptError, TargetUnavailable
+from graphopt.generation.checkpoint import Checkpoint
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
 from graphopt.generation.runner import EagerRunner, inference_mode, step_adapter
 from graphopt.generation.runner_cache import cached_runner
@@ -47,6 +48,11 @@ log = logging.getLogger("graphopt")
 # Targets missing here decode with the static-cache step (graphopt.generation.static).
 RUNNERS: dict[str, str] = {
     "onnxruntime": "graphopt.backends.onnxruntime.decoder.decoder:OrtRunner",
+}
+# Targets whose runner is made from a Checkpoint's file, as "module:function(checkpoint,
+# config, max_length)"; any other target decodes the module the checkpoint builds.
+CHECKPOINT_RUNNERS: dict[str, str] = {
+    "onnxruntime": "graphopt.backends.onnxruntime.decoder.from_checkpoint:checkpoint_runner",
 }
 
 
@@ -70,6 +76,28 @@ def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attentio
         raise GraphoptError(f"max_length {max_length} cannot hold the prompt ({prompt}) and {max_new_tokens} new "
                             f"tokens; pass max_length >= {prompt + max_new_tokens - 1}")
     return max_length
+
+
+def _from_checkpoint(checkpoint: Checkpoint, input_ids: Tensor, max_new_tokens: int, attention_mask, sampling: dict,
+                     stop: StopConditions | None, max_length: int, config: Options, on_token, reference: bool):
+    """Decode ``checkpoint`` on its target's runner made from the file (no module built), or
+    None when the target has no such runner (the caller builds the module)."""
+    try:
+        name = resolve_name(config)
+    except TargetUnavailable:
+        return None
+    where = CHECKPOINT_RUNNERS.get(name)
+    if where is None or reference or max_new_tokens == 0:
+        return None
+    module, attr = where.split(":")
+    make = getattr(importlib.import_module(module), attr)
+    mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
+    sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}
+    runner = make(checkpoint, config.replace(target=name), max_length)
+    results = _decode([runner], input_ids, mask, max_new_tokens, lambda: Sampler(**sampling, device=input_ids.device),
+                      stop or StopConditions(), on_token)
+    results[0].notes[:0] = list(checkpoint.notes)
+    return results
 
 
 def _materialize_unless_streamed(model: nn.Module, config: Options, reference: bool) -> str | None:
@@ -157,10 +185,17 @@ def _decode(runners: list, input_ids: Tensor, mask: Tensor | None, max_new_token
     return merged
 
 
-def _run(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *, reference: bool, attention_mask=None,
-         sampling: dict, stop: StopConditions | None, max_length: int | None, options, on_token) -> list:
+def _run(model: nn.Module | Checkpoint, input_ids: Tensor, max_new_tokens: int, *, reference: bool,
+         attention_mask=None, sampling: dict, stop: StopConditions | None, max_length: int | None, options,
+         on_token) -> list:
     config = Options.parse(options)
     max_length = _check(input_ids, max_new_tokens, max_length, attention_mask)
+    if isinstance(model, Checkpoint):
+        served = _from_checkpoint(model, input_ids, max_new_tokens, attention_mask, sampling, stop, max_length, config,
+                                  on_token, reference)
+        if served is not None:
+            return served
+        model = model.build()
     step_adapter(model)  # one line naming what graphopt decodes, before any target is tried
     mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
     stop = stop or StopConditions()

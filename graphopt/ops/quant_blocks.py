@@ -110,6 +110,15 @@ class BlockQuantized:
             w = w + self.offsets[..., None]
         return w.reshape(w.shape[0], -1)[:, :self.in_features]
 
+    def take_rows(self, rows: slice | None) -> "BlockQuantized":
+        """Rows ``rows`` of the weight (N is rows), each field sliced when read."""
+        if rows is None:
+            return self
+        pick = lambda name: lambda: (None if getattr(self, name) is None  # noqa: E731
+                                     else np.ascontiguousarray(getattr(self, name)[rows]))
+        return BlockQuantized(self.bits, self.group_size, self.in_features, self.format.zeros, self.format.offsets,
+                              **{name: pick(name) for name in ("codes", "scales", "zeros", "offsets")})
+
     def widen(self, target: BlockFormat) -> "BlockQuantized":
         """The same values in ``target`` (``format.widened(...)`` of this one), exactly; each
         field is converted when read."""

@@ -15,6 +15,6 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
   runtime asks.
 """
 
-from graphopt.sources.load import LoadedModel, LogitsOnly, OutputOnly, gguf_packages, load_model
+from graphopt.sources.load import LoadedModel, LogitsOnly, OutputOnly, gguf_packages, load_checkpoint, load_model
 
-__all__ = ["LoadedModel", "LogitsOnly", "OutputOnly", "gguf_packages", "load_model"]
+__all__ = ["LoadedModel", "LogitsOnly", "OutputOnly", "gguf_packages", "load_checkpoint", "load_model"]

@@ -20,7 +20,8 @@ from graphopt.sources.common import LoadedModel, first_line
 from graphopt.sources.gguf_cache import load_or_convert, save_dequantized
 from graphopt.sources.hf import OutputOnly, import_transformers
 from graphopt.errors import ModelLoadError
-from graphopt.sources.gguf_file import GGUFFormatError
+from graphopt.generation.checkpoint import Checkpoint
+from graphopt.sources.gguf_file import GGUFFormatError, file_identity
 from graphopt.sources.gguf_lazy import lazy_model
 
 log = logging.getLogger("graphopt")
@@ -65,6 +66,17 @@ def from_gguf(path: Path, seed: int, batch: int, seq_len: int, single: bool, dty
         raise ModelLoadError(f"transformers {transformers.__version__} cannot load {path} ({first_line(exc)}); "
                              "check the file, or convert it to a safetensors checkpoint") from None
     return _loaded(path, model, seed, batch, seq_len, single, notes)
+
+
+def gguf_checkpoint(path: Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """The file as a ``Checkpoint`` (graphopt.generate decodes it without building the model when
+    a runner kept from an earlier run serves it); ``build()`` makes the lazy model."""
+    gguf_packages()
+    try:
+        identity = f"gguf;{file_identity(path)};{dtype}"
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
+    return Checkpoint(identity, lambda: from_gguf(path, 0, 1, 1, False, dtype).module, str(path))
 
 
 def _loaded(path: Path, model, seed: int, batch: int, seq_len: int, single: bool, notes: list[str]) -> LoadedModel:

@@ -169,22 +169,7 @@ class GGUFFile:
 
     @functools.cached_property
     def identity_key(self) -> str:
-        return self.identity()
-
-    def identity(self) -> str:
-        """A key that changes with the file: its real path, size and modification time, a hash of
-        its whole header (metadata and tensor table) and of the first and last MiB of its tensor
-        data. Hashing every byte would cost a second per GB on each run."""
-        import hashlib
-
-        stat = self.path.resolve().stat()
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{self.path.resolve()};{stat.st_size};{stat.st_mtime_ns};".encode())
-        sample = 1 << 20
-        for start, end in ((0, self.data_start), (self.data_start, self.data_start + sample),
-                           (max(self.data_start, len(self._map) - sample), len(self._map))):
-            h.update(self._map[start:end])
-        return h.hexdigest()
+        return file_identity(self.path)
 
     def release(self, name: str) -> None:
         """Let go of the pages the tensor's bytes occupy in this process (they stay in the page
@@ -200,6 +185,23 @@ class GGUFFile:
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+
+def file_identity(path: str | Path) -> str:
+    """A key that changes with the file, read without parsing it: its real path, size and
+    modification time, and a hash of its first 4 MiB (the header: metadata, tensor table) and
+    its last MiB. Hashing every byte would cost a second per GB on every run."""
+    import hashlib
+
+    real = Path(path).resolve()
+    stat = real.stat()
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{real};{stat.st_size};{stat.st_mtime_ns};".encode())
+    with open(real, "rb") as handle:
+        h.update(handle.read(4 << 20))
+        handle.seek(max(0, stat.st_size - (1 << 20)))
+        h.update(handle.read())
+    return h.hexdigest()
 
 
 _FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: np.dtype("<u2")}  # F32, F16, BF16 (raw 16-bit words)

@@ -138,10 +138,13 @@ class GGUFTensor:
         rows = "" if self.rows is None else ";rows=" + ",".join(map(str, self.rows[:8])) + f"..{len(self.rows)}"
         return f"gguf:{self.file.identity_key}:{self.gguf_name}:{self.ggml_type}:{self.packed}{rows}"
 
-    def block_quantized(self):
+    def block_quantized(self, rows: slice | None = None):
+        """The blocks (of ``rows`` only: a head written in row blocks reads each block's rows)."""
         raw = self.file.data(self.gguf_name)
         if self.rows is not None:
             raw = raw[self.rows]
+        if rows is not None:
+            raw = raw[rows]
         return blocks_mod.relayout(raw, self.ggml_type, self.shape[-1], lambda: self.file.release(self.gguf_name))
 
 

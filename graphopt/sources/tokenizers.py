@@ -16,11 +16,17 @@ from graphopt.sources.load import _first_line, _transformers, gguf_packages
 from graphopt.errors import ModelLoadError
 
 
-def load_tokenizer(spec: str) -> Any:
+def load_tokenizer(spec: str, slim: bool = False) -> Any:
     """The tokenizer that belongs to ``spec`` (a .gguf file, or a checkpoint directory, or its
     config.json, with tokenizer.json / tokenizer_config.json), left-padding for batches;
-    ModelLoadError otherwise."""
+    ModelLoadError otherwise. ``slim``: for a .gguf, the ``SlimTokenizer`` on the folder the
+    file's tokenizer is kept in (converted in a forked child the first time, so this process
+    never loads transformers' tokenizer classes), where the cache is on."""
     path = Path(spec).expanduser()
+    if slim and path.suffix == ".gguf" and path.is_file():
+        kept = _kept_gguf_tokenizer(path)
+        if kept is not None:
+            return kept
     if path.name == "config.json" and path.is_file():
         path = path.parent  # a Hugging Face config names its checkpoint folder, where the tokenizer lives
     folder = path.parent if path.is_file() else path
@@ -46,6 +52,27 @@ def load_tokenizer(spec: str) -> Any:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _kept_gguf_tokenizer(path: Path):
+    """A SlimTokenizer on the .gguf's kept tokenizer folder, converting it first (in a child
+    process) when it is not kept yet; None when the cache is off or the folder cannot be made."""
+    from graphopt.forked import ForkedError, run_forked
+    from graphopt.sources.gguf_cache import part_dir
+    from graphopt.sources.slim_tokenizer import SlimTokenizer
+
+    folder = part_dir(path, "tokenizer", None)
+    if folder is None:
+        return None
+    if not (folder / "tokenizer.json").is_file():
+        try:
+            run_forked(load_tokenizer, str(path))  # converts and keeps it; the child's memory goes with it
+        except ForkedError as error:
+            raise ModelLoadError(f"cannot load the tokenizer of {path} ({error})") from None
+    try:
+        return SlimTokenizer(folder)
+    except (OSError, ValueError, Exception):  # noqa: BLE001  (a damaged folder: transformers' way reads it again)
+        return None
 
 
 def _from_gguf(path: Path) -> Any:

@@ -29,8 +29,8 @@ class BlockSource:
     def block_format(self):
         return self.blocks.format
 
-    def block_quantized(self):
-        return self.blocks
+    def block_quantized(self, rows=None):
+        return self.blocks.take_rows(rows)
 
 
 class DenseSource(BlockSource):
@@ -144,3 +144,22 @@ def test_each_new_constant_reads_its_own_field(name):
     node = gate_up.args[1 + ("codes", "scales", "zeros", "offsets").index(name)]
     blocks = lazy_weights.source_of(ir.get_constant(gate_up.args[1])).source.block_quantized()
     assert np.array_equal(lazy_weights.materialize(ir.get_constant(node)).numpy(), getattr(blocks, name))
+
+
+def test_a_large_weight_becomes_row_blocks_with_the_same_result():
+    """max_weight_bytes: the head stays whole (its table is tied); gate_up (192 x 64, 8-bit/32
+    with zero points and offsets, 1.28125 bytes a weight) and down (64 x 96, 8-bit/16, 1.25)
+    split into four blocks of 48 rows and two of 32."""
+    model, real = lazy_tiny_lm()
+    gm = aten_graph(model, IDS)
+    run_pass("fuse_gated_mlp", gm)
+    result = run_pass("keep_checkpoint_quantization", gm, max_weight_bytes=48 * 82)
+    assert result.stats["row_blocks"] == 6 and result.stats["weights"] == 3
+    linears = [n for n in result.gm.graph.nodes if n.target is linear_op]
+    assert sorted(n.args[1].meta["val"].shape[0] for n in linears) == [32] * 2 + [40] + [48] * 4
+    assert ir.op_counts(result.gm).get("aten.cat") == 2
+    lazy_weights.load_constants(result.gm)
+    with torch.no_grad():
+        out, expected = result.gm(IDS), real(IDS)
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

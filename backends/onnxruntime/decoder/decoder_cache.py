@@ -84,6 +84,21 @@ def decoder_key(model: nn.Module, options: dict) -> str:
     return h.hexdigest()
 
 
+def checkpoint_key(identity: str, options: dict) -> str:
+    """The cache key of the decoder built from a checkpoint file known by ``identity`` (its
+    path, size, modification time and content samples: ``Checkpoint.identity``), without
+    building the model: the file fixes the model's class, config and weights, graphopt's code
+    and the packages how they are exported."""
+    import graphopt.backends  # noqa: F401  (for _code_fingerprint)
+    import graphopt.models  # noqa: F401
+    import graphopt.passes  # noqa: F401
+
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"format={FORMAT};code={_code_fingerprint()};checkpoint={identity};".encode())
+    h.update(repr(sorted(options.items())).encode())
+    return h.hexdigest()
+
+
 def lookup(key: str) -> Path | None:
     """The entry's model file, touched as used, or None."""
     folder = cache_dir()

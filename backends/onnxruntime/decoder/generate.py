@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from graphopt.backends.onnxruntime import tool
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
 
@@ -94,12 +93,14 @@ def _cache_names(layers: int, prefix: str) -> list[str]:
 
 def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *, config: Options,
                     opset: int | None = None, int4: bool = False, validate_model: bool = True, force: bool = False,
-                    new_tokens: int = 8, stage: tool.StageFn | None = None) -> tool.ExportResult:
+                    new_tokens: int = 8, stage=None):
     """Write the prefill model to ``path`` and the decode model beside it; with ``validate_model``,
     compare both with eager and check greedy generation of ``new_tokens`` tokens token for token.
 
     ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
     """
+    from graphopt.backends.onnxruntime import tool  # the export machinery (onnx, onnxscript) only when exporting
+
     from graphopt import ir
 
     prefill_path, step_path = tool.check_destination(path, force), tool.check_destination(decode_path(path), force)
