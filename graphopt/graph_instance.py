@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -72,6 +71,8 @@ def _expr(value: Any, key: str = "val") -> Any:
     if isinstance(value, _SIZE_TYPES):
         return value.node.expr
     if isinstance(value, int) and not isinstance(value, bool):
+        import sympy  # here, not at import: the onnxruntime target's module (and so every warm start) imports this one
+
         return sympy.Integer(value)
     return None
 
@@ -116,6 +117,8 @@ class _Matcher:
             raise _Mismatch(f"{where.name}: a size against a non-size")
         if ea.free_symbols - self.binding.keys():
             raise _Mismatch(f"{where.name}: {ea} has a symbol no input size binds")
+        import sympy
+
         if sympy.expand(ea.xreplace(self.binding) - eb) != 0:
             raise _Mismatch(f"{where.name}: {ea} is not {eb} under {describe(self.binding)}")
 

@@ -44,14 +44,16 @@ def cache_dir() -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
-    """graphopt's source files and the versions of the packages the export goes through."""
-    import graphopt
+    """graphopt's source files and the versions of the packages the export goes through. The
+    packages' folders are found without importing them: a warm run that only opens a kept
+    decoder imports no pass and no model."""
+    import importlib.util
 
     h = hashlib.blake2b(digest_size=16)
     for name in _PACKAGES:
         h.update(f"{name}={package_version(name)};".encode())
-    roots = [Path(graphopt.__file__).parent, Path(graphopt.passes.__file__).parent,
-             Path(graphopt.backends.__file__).parent, Path(graphopt.models.__file__).parent]
+    roots = [Path(next(iter(importlib.util.find_spec(name).submodule_search_locations)))
+             for name in ("graphopt", "graphopt.passes", "graphopt.backends", "graphopt.models")]
     for root in roots:
         for path in sorted(root.rglob("*.py")):
             h.update(str(path.relative_to(root)).encode())
@@ -61,10 +63,6 @@ def _code_fingerprint() -> str:
 
 def decoder_key(model: nn.Module, options: dict) -> str:
     """The cache key of ``model``'s decoder under ``options`` (a parsed Options' ``to_dict()``)."""
-    import graphopt.backends  # noqa: F401  (for _code_fingerprint)
-    import graphopt.models  # noqa: F401
-    import graphopt.passes  # noqa: F401
-
     h = hashlib.blake2b(digest_size=20)
     h.update(f"format={FORMAT};code={_code_fingerprint()};".encode())
     h.update(f"{type(model).__module__}.{type(model).__qualname__};".encode())
@@ -89,10 +87,6 @@ def checkpoint_key(identity: str, options: dict) -> str:
     path, size, modification time and content samples: ``Checkpoint.identity``), without
     building the model: the file fixes the model's class, config and weights, graphopt's code
     and the packages how they are exported."""
-    import graphopt.backends  # noqa: F401  (for _code_fingerprint)
-    import graphopt.models  # noqa: F401
-    import graphopt.passes  # noqa: F401
-
     h = hashlib.blake2b(digest_size=20)
     h.update(f"format={FORMAT};code={_code_fingerprint()};checkpoint={identity};".encode())
     h.update(repr(sorted(options.items())).encode())

@@ -29,8 +29,8 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
 
     runner = OrtRunner(None, config, max_length)
     start = time.perf_counter()
-    options = _pipeline_options(config)
-    key = decoder_cache.checkpoint_key(checkpoint.identity, options.to_dict()) if decoder_cache.cache_dir() else None
+    options = config.to_dict()  # the pipeline it implies (--int4's pass) is the child's to build
+    key = decoder_cache.checkpoint_key(checkpoint.identity, options) if decoder_cache.cache_dir() else None
     kept = decoder_cache.lookup(key) if key else None
     stages: dict[str, float] = {}
     if kept is None:
@@ -38,7 +38,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
         if key is None:
             runner._scratch = scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
         try:
-            made = run_forked(_export, checkpoint, options.to_dict(), key, scratch.name if scratch else None)
+            made = run_forked(_export, checkpoint, options, key, scratch.name if scratch else None)
         except ForkedError as error:
             raise GraphoptError(f"exporting the decoder of {checkpoint.name} failed ({error.kind}: {error})") from None
         kept, stages = Path(made["path"]), made["stages"]
@@ -50,19 +50,11 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     opened = time.perf_counter()
     runner.decoder = InPlaceSession(_decoder_session(str(kept)))
     stages["session"] = time.perf_counter() - opened
-    from graphopt.backends.onnxruntime import tool
-
-    runner.export_result = tool.ExportResult([], stages, [], fallbacks)
+    # Nothing of the exporter is imported here (onnx, onnxscript: 50 MB on a warm start).
     runner.compile_s, runner.compile_stages = time.perf_counter() - start, dict(stages)
     runner.compiles = runner.prefill_compiles = 1  # one model serves every step (dynamic axes)
     runner.notes += [f"export: {f['where']}: {f['reason']}" for f in fallbacks]
     return runner
-
-
-def _pipeline_options(config: Options) -> Options:
-    from graphopt.backends.onnxruntime import tool
-
-    return tool.pipeline_options(config, config.int4)
 
 
 def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> dict:
@@ -77,7 +69,9 @@ def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> 
     with timer("load"):
         model = checkpoint.build()
     prompt = torch.randint(0, 100, (2, 4))
-    onnx_model, result = export_decoder(model, _export_prompt(prompt), Options.parse(options), timer)
+    config = Options.parse(options)
+    config = tool.pipeline_options(config, config.int4)
+    onnx_model, result = export_decoder(model, _export_prompt(prompt), config, timer)
     notes = list(onnx_model.notes)
     path = None
     if key:

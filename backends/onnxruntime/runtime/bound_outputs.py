@@ -29,7 +29,6 @@ import mmap
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import sympy
 import torch
 import torch.fx as fx
 
@@ -124,6 +123,8 @@ def _size_function(size: Any, symbols: list) -> Callable[..., int] | None:
     if not isinstance(size, torch.SymInt):
         value = int(size)
         return lambda *_: value
+    import sympy  # a symbolic size's own library; not at import, where every warm start would pay 30 MB
+
     expr = size.node.expr
     if not expr.free_symbols <= set(symbols):
         return None
