@@ -98,13 +98,16 @@ def layer_rows(summary: dict[str, Any]) -> list[list[Any]]:
 
 
 # ONNX ops that read quantized weights, and which of their inputs hold them (codes, scales, zero points).
-_QUANTIZED_INPUTS = {"MatMulNBits": (1, 2, 3), "GatherBlockQuantized": (0, 2, 3)}
-_FOLDED_AT_LOAD = ("Reshape", "Transpose", "Cast")  # ONNX Runtime folds these of a constant when it loads
+# A block-quantized checkpoint weight's offsets reach the model through a FusedMatMul of the
+# input's block sums (translations/quant_blocks.py); a FusedMatMul of no constant is not one.
+_QUANTIZED_INPUTS = {"MatMulNBits": (1, 2, 3), "GatherBlockQuantized": (0, 2, 3), "FusedMatMul": (1,)}
+_OPTIONAL_CONSTANT = {"FusedMatMul"}
+_FOLDED_AT_LOAD = ("Reshape", "Transpose", "Cast", "Unsqueeze")  # ONNX Runtime folds these of a constant when it loads
 
 
 def constant_behind(value: Any) -> Any:
-    """The initializer ``value`` is, or is a Reshape / Transpose / Cast of (ORT folds those at
-    load, so the op reads a constant); else None."""
+    """The initializer ``value`` is, or is a Reshape / Transpose / Cast / Unsqueeze of (ORT folds
+    those at load, so the op reads a constant); else None."""
     while value is not None:
         if value.const_value is not None:
             return value
@@ -136,6 +139,8 @@ def onnx_quantized_bytes(model: Any, path: str | None = None) -> dict[str, Any]:
                 continue
             value = node.inputs[index]
             source = constant_behind(value)
+            if source is None and node.op_type in _OPTIONAL_CONSTANT:
+                continue
             if source is None:
                 raise ValueError(f"{node.op_type} input {value.name} does not come from an initializer")
             dtype = value.dtype or source.dtype  # one Cast target: one folded copy, whoever reads it

@@ -48,6 +48,7 @@ class ExportedFile:
     validation: list[dict] = field(default_factory=list)  # one {shape, max_abs_err, rel_err, top1} per input set
     int4: dict | None = None  # OnnxModel.int4_weights(): MatMulNBits count and weight bytes
     export_route: str = "traced"  # OnnxModel.route: "direct", or "traced: <why>"
+    notes: list[str] = field(default_factory=list)  # how it was made (layers traced once, ...)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -135,7 +136,7 @@ def optimize_and_export(module: torch.nn.Module, args: Sequence[torch.Tensor], c
     with timer("torch.export"), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation notices
         try:
-            program = export_aten_graph(module, tuple(args), dynamic_shapes=dynamic_shapes)
+            program = export_aten_graph(module, tuple(args), dynamic_shapes=dynamic_shapes, trace_repeated_once=True)
         except GraphoptError:
             raise
         except Exception as error:
@@ -149,6 +150,7 @@ def optimize_and_export(module: torch.nn.Module, args: Sequence[torch.Tensor], c
         # did (513 against 1816), with the same outputs.
         model = export_graph(result.gm, program.example_inputs, opset=opset, input_names=input_names,
                              output_names=output_names, axis_names=axis_names, tidy_attention=True)
+    model.notes = list(program.notes)
     return model, result
 
 
@@ -261,11 +263,26 @@ def export_model(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
     with timer("save"):
         files = save_atomically(model, destination)
     exported = describe("model", model, files, ir.op_counts(result.gm))
+    exported.notes = list(model.notes)
     if validate_model:
         with timer("validate"):
             input_sets = [list(example_inputs), resample_like(example_inputs)]
-            exported.validation = validate(str(destination), module, input_sets, config.provider, flatten_outputs)
+            exported.validation = validate(str(destination), _reference(module, result.gm), input_sets,
+                                           config.provider, flatten_outputs)
     return ExportResult([exported], timer.seconds, [r.to_dict() for r in result.records], list(result.fallbacks))
+
+
+def _reference(module: torch.nn.Module, optimized):
+    """What the saved file is checked against: the module itself, or for a module whose weights
+    are still in its checkpoint (lazy), the optimized graph with the checkpoint's tensors read in
+    as the file holds them (a quantized checkpoint's codes, dequantized a weight at a time by
+    the ops' references): the same values, without a float copy of every weight."""
+    from graphopt import lazy_weights
+
+    if not lazy_weights.has_lazy_weights(module):
+        return module
+    lazy_weights.load_constants(optimized)
+    return optimized
 
 
 def _first_line(error: BaseException) -> str:

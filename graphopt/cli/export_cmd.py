@@ -114,7 +114,7 @@ def export(
                 data["int4_calibration"] = {"source": calibration_source, "budget": int4_budget,
                                             "embedding_bits": embedding_bits or 0,
                                             "pass": calibration.calibration_lines(data)}
-            failed = _failures(data, config.tolerance, int4)
+            failed = _failures(data, config.tolerance, int4 or _kept_quantized(data))
             _publish(data, Path(output).parent, move=not failed)
     data["stages_s"] = {"load": load_s, **data["stages_s"]}
     data["ok"] = data["written"] = not failed
@@ -224,8 +224,16 @@ def _progress(quiet: bool, total: int):
         yield stage
 
 
+def _kept_quantized(data: dict) -> bool:
+    """Whether the file runs a checkpoint's own quantized weights (a .gguf's): MatMulNBits then
+    quantizes activations to int8, as llama.cpp does, so its error is shown like INT4's."""
+    return any(p.get("name") == "keep_checkpoint_quantization" and (p.get("stats") or {}).get("matches")
+               for p in data.get("passes", []))
+
+
 def _failures(data: dict, tolerance: float, int4: bool) -> list[str]:
-    """Why the export does not match eager (INT4 differs by design: its error is shown, not judged)."""
+    """Why the export does not match eager (INT4 and a checkpoint's own quantized weights
+    differ by design: their error is shown, not judged)."""
     failed = []
     for f in data["files"]:
         for row in f["validation"]:
@@ -261,10 +269,16 @@ def _print_human(data: dict, failed: list[str]) -> None:
     if checks:
         console.print(table("ONNX Runtime vs eager", ["model", "input shape", "max abs error", "relative error",
                                                       "top-1 = eager"], checks))
+    if _kept_quantized(data) and checks:
+        console.print("the file runs the checkpoint's own quantized weights; MatMulNBits quantizes activations to "
+                      "int8 per block (as llama.cpp does), so the error above is shown, not judged")
     for f in data["files"]:
+        for note in f.get("notes", []):
+            console.print(f"note: {note}", highlight=False)
         q = f.get("int4")
         if q:
-            console.print(f"[bold]{f['role']}[/] INT4: {q['matmulnbits']} MatMulNBits, their weights "
+            label = "quantized weights" if _kept_quantized(data) else "INT4"
+            console.print(f"[bold]{f['role']}[/] {label}: {q['matmulnbits']} MatMulNBits, their weights "
                           f"{q['bytes'] / 2**20:.1f} MB vs {q['fp32_bytes'] / 2**20:.1f} MB in fp32 ({q['ratio']:.3f}x); "
                           f"{q['float_matmuls']} MatMul left with float weights")
     _print_calibration(data.get("int4_calibration"))

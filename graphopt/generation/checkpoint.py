@@ -24,3 +24,5 @@ class Checkpoint:
     name: str
     eos_token_ids: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
+    # Raises graphopt.memory.MemoryNeeded when building would not fit; called before building.
+    check_memory: Callable[[], None] = lambda: None

@@ -34,6 +34,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     kept = decoder_cache.lookup(key) if key else None
     stages: dict[str, float] = {}
     if kept is None:
+        checkpoint.check_memory()  # one line now, not the OOM killer halfway through the export
         scratch = None
         if key is None:
             runner._scratch = scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
@@ -46,6 +47,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
         runner.reports, fallbacks = made["records"], made["fallbacks"]
     else:
         fallbacks = []
+        _check_kept_fits(kept, checkpoint.name)
         runner.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
     opened = time.perf_counter()
     runner.decoder = InPlaceSession(_decoder_session(str(kept)))
@@ -55,6 +57,15 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     runner.compiles = runner.prefill_compiles = 1  # one model serves every step (dynamic axes)
     runner.notes += [f"export: {f['where']}: {f['reason']}" for f in fallbacks]
     return runner
+
+
+def _check_kept_fits(kept: Path, name: str) -> None:
+    """A kept decoder's session holds about its weights file; with the runtime's own share."""
+    from graphopt.memory import RUNTIME_BYTES, check_fits
+
+    data = kept.with_name(kept.name + ".data")
+    size = data.stat().st_size if data.exists() else kept.stat().st_size
+    check_fits(size + RUNTIME_BYTES, f"the decoder of {name} kept by an earlier run")
 
 
 def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> dict:
