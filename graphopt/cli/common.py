@@ -12,7 +12,8 @@ from graphopt.config import Options
 from graphopt.errors import OptionsError
 
 MODEL_HELP = ("a built-in model (see `graphopt models`), a Hugging Face config.json, a checkpoint "
-              "directory with safetensors weights, or package.module:factory")
+              "directory with safetensors weights, a .gguf file (run on its own quantized weights), or "
+              "package.module:factory")
 
 
 def parse_options(pairs: Sequence[str], **given: Any) -> Options:

@@ -19,8 +19,8 @@ from graphopt.cli.common import parse_options
 from graphopt.cli.output import console, print_json, step
 from graphopt.errors import GraphoptError
 
-MODEL_HELP = ("a .gguf file, or a Hugging Face checkpoint directory with safetensors weights and "
-              "tokenizer.json")
+MODEL_HELP = ("a .gguf file (run on its own quantized weights), or a Hugging Face checkpoint directory with "
+              "safetensors weights and tokenizer.json")
 
 
 def generate(
@@ -47,10 +47,13 @@ def generate(
     """Generate text from MODEL for each --prompt with graphopt.generate, on the chosen target.
 
     Greedy decoding; a row stops at the tokenizer's end-of-sequence token, a --stop string, or
-    --max-new-tokens. Target auto picks onnxruntime on a CPU machine (exported prefill and
-    decode models), triton on a GPU. The onnxruntime decoder and a .gguf's converted model
-    are kept in ~/.cache/graphopt for the next run on the same weights and options
-    (GRAPHOPT_CACHE_DIR=DIR moves them, GRAPHOPT_CACHE_DIR=off turns them off).
+    --max-new-tokens. Target auto picks onnxruntime on a CPU machine (one exported decoder whose
+    attention writes its KV cache in place), triton on a GPU. A .gguf runs on its own quantized
+    weights (Q4_0 ... Q6_K as the file holds them; --dequantize reads it as float32 instead); the
+    first run exports its decoder in a child process, and the decoder and the tokenizer are kept
+    in ~/.cache/graphopt, so the next run on the same file and options starts in seconds
+    (GRAPHOPT_CACHE_DIR=DIR moves them, GRAPHOPT_CACHE_DIR=off turns them off). A model that
+    will not fit in the memory available fails before loading, saying what would fit.
 
     Example: graphopt generate model.gguf --prompt "The capital of France is" --max-new-tokens 24
     Example: graphopt generate ./SmolLM2 --chat -p "Name three rivers." -p "Hi" --target eager --json
