@@ -5,7 +5,8 @@ Each public module here defines ``TRANSLATIONS``: a dict from an op overload
 that op's ONNX nodes (see ``_common``). :func:`translation_table` discovers the modules with
 pkgutil and merges their dicts, so a new family (``int4.py`` for ``graphopt.int4_linear`` ->
 ``MatMulNBits``) is one new file and no edit elsewhere. Two modules claiming the same op is
-an error, not a silent override.
+an error, not a silent override. An aten op is here only where torchlib's own translation
+needs a fix (``index_put``: one ScatterND, and no onnx-ir warning a user cannot act on).
 """
 
 from __future__ import annotations
