@@ -61,8 +61,8 @@ def fuzz(
 def _print_human(result: dict) -> None:
     console.print(table(
         f"graphopt fuzz: {result['graphs']} graphs, seed {result['seed']}, {result['seconds']} s",
-        ["target", "graphs", "mismatches", "crashes", "graphs with fallbacks", "worst ok rel err"],
-        [[name, s["graphs"], s["mismatches"], s["crashes"], s["fell_back"], s["worst_rel_err"]]
+        ["target", "graphs", "mismatches", "crashes", "routing ties", "graphs with fallbacks", "worst ok rel err"],
+        [[name, s["graphs"], s["mismatches"], s["crashes"], s["routing_ties"], s["fell_back"], s["worst_rel_err"]]
          for name, s in result["targets"].items()]))
     for name, reason in result["skipped_targets"].items():
         console.print(f"[yellow]skipped[/] {name}: {reason}")
@@ -78,6 +78,8 @@ def _print_human(result: dict) -> None:
     if result["invalid"]:
         console.print(f"[yellow]{result['invalid']} generated models could not run eagerly[/] "
                       f"(a generator bug): {'; '.join(result['invalid_examples'])}")
+    for t in result["routing_ties"]:  # not failures: the token may go either way
+        console.print(f"[yellow]routing tie[/] {t['graph']} on {t['target']}: {t['detail']}")
     for f in result["failures"]:
         where = f" -> {f['reproducer']}" if f["reproducer"] else ""
         console.print(f"[red]{f['status']}[/] graph {f['graph']} on {f['target']}: {f['detail']} "

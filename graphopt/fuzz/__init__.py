@@ -3,7 +3,8 @@
 NNSmith-style: generate valid models (``generate``: chains and DAGs of the ops the passes
 care about, with the fusion patterns planted inside, as written and perturbed), materialise
 each as a real ``nn.Module`` with seeded weights and readable source (``source``), compile it
-with graphopt on every target available here and compare with eager (``check``, ``runner``),
+with graphopt on every target available here and compare with eager (``check``, ``runner``;
+a top-k router's token that ties within rounding is its own verdict, ``routing_ties``),
 shrink what fails (``shrink``) and write a reproducer folder (``reproducer``).
 
     graphopt fuzz --graphs 500 --seed 0 --json

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from graphopt.config import Options
 from graphopt.errors import GraphoptError, OptionsError
 from graphopt.fuzz.case import Case, RandomDraw
-from graphopt.fuzz.check import Outcome, check_module, reference
+from graphopt.fuzz.check import ROUTING_TIE, Outcome, check_module, reference
 from graphopt.fuzz.generate import Settings, expectations, generate, kinds
 from graphopt.fuzz.source import materialize
 
@@ -91,6 +91,7 @@ class TargetStats:
     graphs: int = 0
     mismatches: int = 0
     crashes: int = 0
+    routing_ties: int = 0  # graphs that routed a tied token the other way (not mismatches)
     fell_back: int = 0  # graphs where at least one pass or the target fell back
     recompiled: int = 0  # graphs compiled again at a second shape of sizes >= 2 (one compile should serve it)
     worst_rel_err: float = 0.0  # largest error judged ok (past tolerance only when eager is as far off)
@@ -111,6 +112,7 @@ class Summary:
     near_misses: Counter = field(default_factory=Counter)  # pass -> near misses
     planted: Counter = field(default_factory=Counter)  # pass -> matches the planted patterns call for
     failures: list[Failure] = field(default_factory=list)
+    routing_ties: list[dict] = field(default_factory=list)  # {graph, target, detail} of each routing tie
     invalid_examples: list[str] = field(default_factory=list)
     multi_shape: int = 0  # cases called at two shapes through one compile
     single_shape_examples: list[str] = field(default_factory=list)  # why a case had no second shape
@@ -146,6 +148,7 @@ class Summary:
             "targets": {name: dict(stats.__dict__) for name, stats in self.targets.items()},
             "skipped_targets": self.skipped_targets,
             "failures": [f.to_dict() for f in self.failures],
+            "routing_ties": self.routing_ties,
             "seconds": round(self.seconds, 1),
         }
 
@@ -232,6 +235,9 @@ def _tally(summary: Summary, case: Case, outcomes: list[Outcome]) -> None:
         stats.graphs += 1
         stats.mismatches += outcome.status == "mismatch"
         stats.crashes += outcome.status == "crash"
+        if outcome.status == ROUTING_TIE:
+            stats.routing_ties += 1
+            summary.routing_ties.append({"graph": case.name, "target": outcome.target, "detail": outcome.detail})
         stats.fell_back += bool(outcome.fallbacks)
         stats.recompiled += bool(outcome.recompiles) and not outcome.grew_from_one
         if outcome.status == "ok" and outcome.rel_err > stats.worst_rel_err:

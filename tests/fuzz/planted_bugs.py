@@ -67,3 +67,34 @@ class BakeSizes:
                 baked += 1
         gm.recompile()
         return PassResult(gm, bool(baked), {"matches": baked})
+
+
+TOPK = torch.ops.aten.topk.default
+
+
+class BreakTiesHigh(PatternPass):
+    """Picks the top k of the last axis flipped and maps the indices back: the same choice
+    as eager except at an exact tie, which goes to the higher-numbered expert, as a router
+    that rounds its scores differently from eager may send it. Not a bug: a routing tie."""
+
+    name = "break_ties_high"
+    summary = "topk(x) -> topk(flip(x)) with indices mapped back (a planted tie-break)"
+    anchors = (TOPK,)
+
+    def match(self, node: fx.Node, options) -> fx.Node:
+        x, dim = node.args[0], node.args[2] if len(node.args) > 2 else -1
+        expect(dim in (-1, x.meta["val"].dim() - 1), "not the last axis")
+        return node
+
+    def rewrite(self, gm: fx.GraphModule, node: fx.Node, options) -> None:
+        x = node.args[0]
+        last = x.meta["val"].shape[-1] - 1
+        with gm.graph.inserting_before(node):
+            flipped = gm.graph.call_function(torch.ops.aten.flip.default, (x, [-1]))
+            new = gm.graph.call_function(TOPK, (flipped, *node.args[1:]), dict(node.kwargs))
+        node.replace_all_uses_with(new)
+        for user in [u for u in new.users if u.args[1] == 1]:  # the indices: count from the other end again
+            with gm.graph.inserting_after(user):
+                back = gm.graph.call_function(torch.ops.aten.rsub.Scalar, (user, last))
+            user.replace_all_uses_with(back, delete_user_cb=lambda u: u is not back)
+        gm.graph.erase_node(node)
