@@ -293,7 +293,7 @@ def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None =
         except repeated_layers.NotStampable as error:
             why = str(error)
     program = _export_and_freeze(model, args, kwargs, dynamic_shapes)
-    if trace_repeated_once:
+    if trace_repeated_once and why:
         program.notes.append(f"traced every layer: {why}")
     return program
 

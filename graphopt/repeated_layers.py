@@ -53,13 +53,17 @@ class Stack:
 
 
 def find_stack(root: nn.Module) -> tuple[Stack | None, str]:
-    """The longest uniform layer list in ``root``, or (None, why there is none)."""
+    """The longest uniform layer list in ``root``, or (None, why there is none).
+
+    A model with no list of ``MIN_LAYERS`` layers gets (None, ""): tracing it whole costs
+    nothing worth a note, so the user hears only about stacks that could not be stamped.
+    """
     candidates = []
     for name, module in root.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) >= MIN_LAYERS:
             candidates.append((name, module))
     if not candidates:
-        return None, f"no nn.ModuleList of {MIN_LAYERS} or more layers"
+        return None, ""
     name, layers = max(candidates, key=lambda item: len(item[1]))
     problem = _uniformity_problem(list(layers)) or _config_problem(root, len(layers))
     if problem:

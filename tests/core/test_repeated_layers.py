@@ -89,3 +89,8 @@ def test_a_trace_where_layer_one_reads_other_values_is_refused():
     model.model.layers[1].factor = 2.0  # now an attribute differs: whole
     program = traced(model, True)
     assert program.notes[0].startswith("traced every layer: layer 0 differs")
+
+
+def test_a_model_with_too_few_layers_is_traced_whole_without_a_note():
+    """Two layers leave nothing to stamp: no stack, and nothing worth telling the user."""
+    assert repeated_layers.find_stack(small_lm("llama", layers=2)) == (None, "")
