@@ -182,6 +182,7 @@ class CudaGraphs:
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         options = ctx.options_for(self)
+        previous = plan_of(gm)
         for node in gm.graph.nodes:  # marks from an earlier run describe a graph that has changed since
             node.meta.pop(REGION, None)
             node.meta.pop(SKIPPED, None)
@@ -212,9 +213,12 @@ class CudaGraphs:
         if not plan.regions:
             plan.note = "no run of capturable ops"
         gm.meta[PLAN] = plan
-        stats = {"matches": len(plan.regions), "regions": len(plan.regions),
+        # A run that finds the plan an earlier run left has changed nothing: it matches no new
+        # region, so a fixpoint driver stops and --print-ir-after-change stays quiet.
+        unchanged = previous == plan
+        stats = {"matches": 0 if unchanged else len(plan.regions), "regions": len(plan.regions),
                  "captured_ops": sum(map(len, plan.regions)), "eager_ops": len(plan.skipped)}
-        return PassResult(gm, modified=bool(plan.regions), stats=stats, near_misses=misses)
+        return PassResult(gm, modified=bool(plan.regions) and not unchanged, stats=stats, near_misses=misses)
 
     def _close(self, run: list[fx.Node], plan: CapturePlan, options: Options, misses: list[NearMiss]) -> None:
         """Turn a finished run of capturable ops into a region (or explain why not)."""
