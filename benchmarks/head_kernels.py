@@ -92,7 +92,7 @@ def weights_of(w: np.ndarray) -> dict[str, np.ndarray]:
     per-output-channel codes, exactly."""
     import torch
 
-    from graphopt.quantization import quantize_int8
+    from graphopt.quant.groupwise import quantize_int8
 
     n, k = w.shape
     block = quantize_int8(torch.from_numpy(w), BLOCK, "float32")

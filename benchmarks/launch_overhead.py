@@ -53,7 +53,7 @@ def no_triton_launches() -> None:
 def ladders(dev: str) -> dict[str, list[tuple[str, Callable[[], object]]]]:
     from graphopt.backends.triton import ops as triton_ops
     from graphopt.backends.triton.kernels import int4_gemm, rms_norm, rope_cache
-    from graphopt.quantization import quantize_int4
+    from graphopt.quant.groupwise import quantize_int4
 
     dtype = torch.float16 if GPU else torch.float32
     hidden = 4096

@@ -63,7 +63,7 @@ from graphopt.config import Options  # noqa: E402
 from graphopt.threads import torch_threads  # noqa: E402
 from ort_recipes import export_plain, optimize_with_ort, quantize_with_ort  # noqa: E402
 from graphopt.generation import Sampler, drive  # noqa: E402
-from graphopt.quant_report import logits_metrics  # noqa: E402
+from graphopt.quant.report import logits_metrics  # noqa: E402
 from weight_traffic import onnx_decode_bytes, read_bandwidth, torch_decode_bytes  # noqa: E402
 
 console = Console(stderr=True)

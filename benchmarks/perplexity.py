@@ -82,7 +82,7 @@ from rich.table import Table
 from graphopt.backends.onnxruntime.lower.export import OnnxModel
 from graphopt.backends.onnxruntime.tool import export_model
 from graphopt.config import Options
-from graphopt.quant_report import int4_summary, logits_metrics
+from graphopt.quant.report import int4_summary, logits_metrics
 
 console = Console(stderr=True)
 VARIANTS = ("fp32", "ort-rtn", "rtn-head32", "rtn", "gptq", "gptq-noact-text", "gptq-text", "gptq-budget",

@@ -60,7 +60,7 @@ def cases(dtype: torch.dtype) -> list[Case]:
     import graphopt.ops  # noqa: F401  (registers the reference ops)
     from graphopt.backends.triton.kernels import activations, flash_attention, flash_decoding, kv_cache
     from graphopt.backends.triton.kernels import int4_gemm, layer_norm, rms_norm, rope, rope_cache
-    from graphopt.quantization import quantize_int4
+    from graphopt.quant.groupwise import quantize_int4
 
     ops = torch.ops.graphopt
     dev = "cuda"

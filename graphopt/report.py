@@ -65,7 +65,7 @@ class CompileReport:
         return {k: v for k, v in self.op_counts.items() if k.startswith("graphopt.")}
 
     def to_dict(self) -> dict[str, Any]:
-        from graphopt.quant_report import int4_summary
+        from graphopt.quant.report import int4_summary
 
         passes = [r.to_dict() for r in self.passes]
         return {

@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from graphopt import ir, quantization
+from graphopt import ir
+from graphopt.quant import groupwise
 from graphopt.linears import param_name
 from graphopt.pass_manager import NearMiss
 
@@ -121,16 +122,16 @@ def _quantize(gm: fx.GraphModule, table_node: fx.Node, table: torch.Tensor, head
     if head_record is not None and head_record["bits"] == bits and head_record["group_size"] == group \
             and (bits == 8 or head.args[3] is None):
         codes, scales = head.args[1], head.args[2]
-        stored = quantization.Int4Weight(ir.get_constant(codes), ir.get_constant(scales), None, group,
+        stored = groupwise.Int4Weight(ir.get_constant(codes), ir.get_constant(scales), None, group,
                                          table.shape[1], bits)
         record = _record(name, table, stored, options, table_node.target, head_record["search"], out_size)
         record.update(shared=True, tied_to=head_record["name"])
         return (codes, scales), record
     dtype = table.dtype if options.scale_dtype == "auto" else options.scale_dtype
     if bits == 8:
-        q = quantization.quantize_int8(table, group, dtype)
+        q = groupwise.quantize_int8(table, group, dtype)
     else:
-        q = quantization.quantize_int4(table, group, True, dtype, "rtn")
+        q = groupwise.quantize_int4(table, group, True, dtype, "rtn")
     nodes = (constant(gm, name, "qweight", q.packed), constant(gm, name, "scales", q.scales))
     record = _record(name, table, q, options, table_node.target, "rtn", out_size)
     if head_record is not None:  # tied, at other bits: two copies of the codes; the fp32 table counts once
@@ -148,7 +149,7 @@ def _record(name: str, table: torch.Tensor, q, options: Any, key: str, search: s
         "symmetric": True,
         "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
         "search": search,
-        "rel_error": quantization.relative_error(table, q),
+        "rel_error": groupwise.relative_error(table, q),
         "output_error": None,
         "bytes_before": table.numel() * table.element_size(),
         "bytes_fp32": table.numel() * 4,

@@ -24,7 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from graphopt import ir, quantization
+from graphopt import ir
+from graphopt.quant import groupwise
 from graphopt.linears import param_name
 from graphopt.rewrite import val
 
@@ -97,7 +98,7 @@ def quantize_experts(gm: fx.GraphModule, options: Any, constant: Callable[..., f
         with gm.graph.inserting_before(node):
             for weight_node, weight, name in zip((gate_up, down), tensors, names):
                 experts, rows, cols = weight.shape
-                q = quantization.quantize_int4(weight.reshape(experts * rows, cols), options.group_size,
+                q = groupwise.quantize_int4(weight.reshape(experts * rows, cols), options.group_size,
                                                options.symmetric, dtype, search)
                 parts = [q.packed.reshape(experts, rows, -1), q.scales.reshape(experts, rows, -1),
                          q.zeros.reshape(experts, rows, -1) if q.zeros is not None else None]

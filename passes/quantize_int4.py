@@ -10,7 +10,7 @@ Backends dequantize inside the GEMM's K loop (MatMulNBits, the Triton INT4 kerne
 a full-precision copy of the weight never exists at run time.
 
 Scales come from GPTQ-style error feedback on calibration activations (``search="gptq"``,
-graphopt/quant_gptq.py): the graph itself runs on the calibration inputs (given token
+graphopt/quant/gptq.py): the graph itself runs on the calibration inputs (given token
 ids, else the example inputs) and each weight is quantized to keep its layer's *output*
 close on them, visiting the input channels with the most activation energy first
 (``act_order``, on by default; the groups stay block-wise along K, so the format is
@@ -23,7 +23,7 @@ which on a trained model (SmolLM2-135M) raised perplexity more than RTN did.
 A linear whose result is a graph output (an LM head: every logit depends on it) gets
 ``head_bits`` (8: ``graphopt.int8_linear``, MatMulNBits bits=8). With a ``budget`` (the
 most quantized bytes as a fraction of fp32), more layers move to 8 bits, those whose
-4-bit output error is largest per extra byte first (graphopt/quant_plan.py). 8-bit weights
+4-bit output error is largest per extra byte first (graphopt/quant/plan.py). 8-bit weights
 take their own group size, ``group_size_8bit`` (128; smaller where that would pad K by more
 than an eighth): ONNX Runtime's 8-bit MatMulNBits pays per group, and one decode row of
 llama-small's 32000x1024 head took 833 us in groups of 32 against 459 us in groups of 128
@@ -61,13 +61,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt import ir, quant_gptq, quant_plan, quantization
-from graphopt.ops.quant import GROUP_SIZES
-from graphopt.passes import _quantize_embedding, _quantize_moe
+from graphopt import ir
 from graphopt.linears import match_linear, param_name
+from graphopt.ops.quant import GROUP_SIZES
 from graphopt.pass_manager import PassContext, PassResult
-from graphopt.quant_report import summarize_layers
-from graphopt.quantization import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
+from graphopt.passes import _quantize_embedding, _quantize_moe
+from graphopt.quant import gptq, groupwise
+from graphopt.quant import plan as quant_plan
+from graphopt.quant.groupwise import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
+from graphopt.quant.report import summarize_layers
 from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
 
 aten = torch.ops.aten
@@ -305,9 +307,9 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
 
     def quantize(b: int) -> Int4Weight:
         if b == 8:
-            return quantization.quantize_int8(w, options.group_8bit(w.shape[1]), dtype, h if search == "gptq" else None,
+            return groupwise.quantize_int8(w, options.group_8bit(w.shape[1]), dtype, h if search == "gptq" else None,
                                               tokens, options.act_order)
-        return quantization.quantize_int4(w, options.group_size, options.symmetric, dtype, search, h, tokens,
+        return groupwise.quantize_int4(w, options.group_size, options.symmetric, dtype, search, h, tokens,
                                           options.act_order)
 
     q = quantize(bits)
@@ -316,7 +318,7 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
         q8 = quantize(8)
         record.update(_q4=q, _q8=q8, bytes4=q.nbytes, bytes8=q8.nbytes, rel_error4=record["rel_error"],
                       rel_error8=relative_error(w, q8), error4=record["output_error"],
-                      error8=quant_gptq.output_error(w, q8.dequantize(), h) if h is not None else 0.0)
+                      error8=gptq.output_error(w, q8.dequantize(), h) if h is not None else 0.0)
         if h is None:  # uncalibrated: rank by weight error instead
             record.update(error4=record["rel_error4"] ** 2, error8=record["rel_error8"] ** 2)
     elif both:
@@ -346,7 +348,7 @@ def _layer_record(name: str, w: torch.Tensor, q: Int4Weight, options: Int4Option
         "search": search,
         "rel_error": relative_error(w, q),
         # share of the layer's output energy on the calibration activations that changed
-        "output_error": quant_gptq.output_error(w, q.dequantize(), h) if h is not None else None,
+        "output_error": gptq.output_error(w, q.dequantize(), h) if h is not None else None,
         "bytes_before": w.numel() * w.element_size(),
         "bytes_fp32": w.numel() * 4,
         "bytes_after": q.nbytes,

@@ -21,7 +21,7 @@ def nonzero_random(*shape: int) -> torch.Tensor:
 
 def int4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, scales) of a symmetric group-32 INT4 weight [n, k]."""
-    from graphopt.quantization import quantize_int4
+    from graphopt.quant.groupwise import quantize_int4
 
     q = quantize_int4(nonzero_random(n, k) * 0.05, 32, True, "float32", "rtn")
     return q.packed, q.scales
@@ -29,7 +29,7 @@ def int4_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def int8_weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales) of a symmetric group-32 INT8 weight [n, k]."""
-    from graphopt.quantization import quantize_int8
+    from graphopt.quant.groupwise import quantize_int8
 
     q = quantize_int8(nonzero_random(n, k) * 0.05, 32, "float32")
     return q.packed, q.scales
@@ -53,7 +53,7 @@ def block_weight(n: int, k: int, bits: int, zeros: bool, offsets: bool) -> list[
 
 def int4_experts(experts: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed [E, n, k / 2], scales [E, n, k / 32]) of symmetric group-32 INT4 expert weights."""
-    from graphopt.quantization import quantize_int4
+    from graphopt.quant.groupwise import quantize_int4
 
     q = quantize_int4(nonzero_random(experts * n, k) * 0.3, 32, True, "float32", "rtn")
     return q.packed.reshape(experts, n, -1), q.scales.reshape(experts, n, -1)

@@ -221,9 +221,9 @@ def validate(path: str, module: torch.nn.Module, input_sets: Sequence[Sequence[t
 
 
 def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """quant_report.top1_agreement for an output that has a vocabulary-like last axis (a
+    """graphopt.quant.report.top1_agreement for an output that has a vocabulary-like last axis (a
     float tensor of rank >= 2); None for any other output."""
-    from graphopt.quant_report import top1_agreement as agreement
+    from graphopt.quant.report import top1_agreement as agreement
 
     if not expected.is_floating_point() or expected.dim() < 2 or expected.shape[-1] < 2:
         return None

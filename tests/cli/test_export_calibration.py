@@ -10,7 +10,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from graphopt import quant_plan
+from graphopt.quant import plan as quant_plan
 from graphopt.cli.main import app
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.generate import text_model

@@ -1,4 +1,4 @@
-"""GPTQ-style quantization (graphopt/quant_gptq.py) and the 8-bit format: the output error
+"""GPTQ-style quantization (graphopt/quant/gptq.py) and the 8-bit format: the output error
 on the calibration activations beats round-to-nearest's, the codes are the format the ops
 read, and the budget spends bytes where they remove the most error."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from graphopt.ops.quant import dequantize_int8, int8_linear
-from graphopt.quant_gptq import hessian, output_error
-from graphopt.quant_plan import allocate_bits
-from graphopt.quantization import quantize_int4, quantize_int8, relative_error
+from graphopt.quant.gptq import hessian, output_error
+from graphopt.quant.plan import allocate_bits
+from graphopt.quant.groupwise import quantize_int4, quantize_int8, relative_error
 
 
 def activations(tokens=512, k=128, seed=0):
@@ -133,7 +133,7 @@ def test_uncorrelated_activations_make_gptq_round_to_nearest(group_size, symmetr
 
 
 def test_blocks_hold_whole_groups():
-    from graphopt.quant_gptq import _blocking
+    from graphopt.quant.gptq import _blocking
 
     for group in (2, 16, 32, 48, 64, 96, 128, 256):
         block, sub = _blocking(group)
@@ -142,7 +142,7 @@ def test_blocks_hold_whole_groups():
 
 
 def test_inverse_cholesky_is_the_upper_factor_of_the_inverse():
-    from graphopt.quant_gptq import _inverse_cholesky
+    from graphopt.quant.gptq import _inverse_cholesky
 
     x = torch.randn(300, 96, dtype=torch.float64)
     h = x.T @ x

@@ -1,10 +1,10 @@
-"""graphopt.quant_report: logits error, top-1 agreement, and the INT4 summary of a report."""
+"""graphopt.quant.report: logits error, top-1 agreement, and the INT4 summary of a report."""
 
 import pytest
 import torch
 from torch import nn
 
-from graphopt.quant_report import int4_summary, layer_rows, logits_metrics, top1_agreement
+from graphopt.quant.report import int4_summary, layer_rows, logits_metrics, top1_agreement
 from tests.helpers import compile_with_graphopt
 
 

@@ -1,4 +1,4 @@
-"""graphopt.quantization: RTN is ONNX Runtime's recipe, the search never loses to it, the
+"""graphopt.quant.groupwise: RTN is ONNX Runtime's recipe, the search never loses to it, the
 format and byte counts are what the int4 op and MatMulNBits expect."""
 
 import numpy as np
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphopt.ops.quant import unpack_int4
-from graphopt.quantization import Int4Weight, _error, quantize_int4, relative_error
+from graphopt.quant.groupwise import Int4Weight, _error, quantize_int4, relative_error
 
 
 def weight(n=64, k=128, seed=0, scale=0.02):

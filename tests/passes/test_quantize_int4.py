@@ -13,7 +13,7 @@ from graphopt import ir, models
 from graphopt.errors import OptionsError
 from graphopt.pipeline import build_pass_manager
 from graphopt.ops.quant import dequantize_int4, dequantize_int8
-from graphopt.quant_report import int4_summary, logits_metrics
+from graphopt.quant.report import int4_summary, logits_metrics
 from tests.helpers import aten_graph, compile_with_graphopt, count, eager, run_pass
 
 PIPE = ["canonicalize", "fuse_rms_norm", "quantize_int4"]

@@ -13,7 +13,7 @@ import graphopt
 from graphopt import ir
 from graphopt.errors import OptionsError
 from graphopt.pipeline import build_pass_manager
-from graphopt.quant_report import int4_summary, logits_metrics, onnx_quantized_bytes
+from graphopt.quant.report import int4_summary, logits_metrics, onnx_quantized_bytes
 from tests.helpers import compile_with_graphopt, eager
 
 PIPE = ["canonicalize", "quantize_int4"]
@@ -57,7 +57,7 @@ TABLE_ERROR = {4: 0.1, 8: 0.007}
 
 @pytest.mark.parametrize("bits, hidden", [(4, 64), (8, 64), (4, 72), (8, 40)])
 def test_the_reference_looks_up_rows_of_the_dequantized_table(bits, hidden):
-    from graphopt.quantization import quantize_int4, quantize_int8
+    from graphopt.quant.groupwise import quantize_int4, quantize_int8
 
     table = torch.randn(30, hidden, generator=torch.Generator().manual_seed(2))
     q = quantize_int8(table, 32, "float32") if bits == 8 else quantize_int4(table, 32, True, "float32", "rtn")

@@ -1,12 +1,12 @@
 """quantize_int4, Before/Expected: the whole graph the pass leaves, node for node
 (tests/passes/_before_expected.py): a linear on a frozen weight becomes int4_linear on new
-constants holding exactly what graphopt.quantization.quantize_int4 makes of the weight
+constants holding exactly what graphopt.quant.groupwise.quantize_int4 makes of the weight
 (round-to-nearest here, so no calibration run is involved)."""
 
 import torch
 from torch import nn
 
-from graphopt.quantization import quantize_int4
+from graphopt.quant.groupwise import quantize_int4
 from tests.helpers import aten_graph
 from tests.passes._before_expected import Expected, assert_pass_result
 

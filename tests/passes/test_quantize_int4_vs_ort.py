@@ -7,7 +7,7 @@ import torch
 
 from graphopt import models
 from graphopt.ops.quant import dequantize_int4
-from graphopt.quant_report import int4_summary, logits_metrics
+from graphopt.quant.report import int4_summary, logits_metrics
 from tests.helpers import compile_with_graphopt, eager
 
 onnx = pytest.importorskip("onnx")

@@ -79,13 +79,13 @@ class OnnxModel:
         """What MatMulNBits / GatherBlockQuantized made of the weights (None when there are
         none): ``{"matmulnbits", "embeddings", "bytes", "fp32_bytes", "ratio", "float_matmuls"}``.
         ``bytes`` is what ONNX Runtime reads of their initializers, in the dtype each op reads
-        (``quant_report.onnx_quantized_bytes``: fp16 scales behind a Cast are read as fp32),
+        (``graphopt.quant.report.onnx_quantized_bytes``: fp16 scales behind a Cast are read as fp32),
         a tied table's codes once; ``fp32_bytes`` the same weights in fp32 (a table padded to
         whole blocks, and not again when it is the head's); ``float_matmuls`` the MatMul /
         Gemm nodes still reading a constant weight."""
         import onnx_ir as ir
 
-        from graphopt.quant_report import constant_behind, onnx_quantized_bytes
+        from graphopt.quant.report import constant_behind, onnx_quantized_bytes
 
         nodes = list(ir.traversal.RecursiveGraphIterator(self.model.graph))  # an If's branches too (int4.py)
         quantized = [n for n in nodes if n.op_type == "MatMulNBits"]

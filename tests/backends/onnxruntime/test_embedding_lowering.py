@@ -15,8 +15,8 @@ from graphopt.backends.onnxruntime.target import onnxruntime
 from graphopt.backends.onnxruntime.lower.translations import embedding as embedding_translation
 from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.config import Options
-from graphopt.quant_report import onnx_quantized_bytes
-from graphopt.quantization import quantize_int4, quantize_int8
+from graphopt.quant.report import onnx_quantized_bytes
+from graphopt.quant.groupwise import quantize_int4, quantize_int8
 from tests.backends.onnxruntime._helpers import Call, export_and_run, rel_err
 
 go = torch.ops.graphopt

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from graphopt.backends.onnxruntime.tool import resample_like
 from graphopt.cli.main import app
 from graphopt.sources import load_model
-from graphopt.quant_report import int4_summary, top1_agreement
+from graphopt.quant.report import int4_summary, top1_agreement
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 
 onnx = pytest.importorskip("onnx")

@@ -19,8 +19,8 @@ from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.compiler import run_pipeline
 from graphopt.config import Options
 from graphopt.frontend import export_aten_graph
-from graphopt.quant_report import logits_metrics
-from graphopt.quantization import quantize_int4, quantize_int8
+from graphopt.quant.report import logits_metrics
+from graphopt.quant.groupwise import quantize_int4, quantize_int8
 from tests.backends.onnxruntime._helpers import Call, export_and_run, rel_err
 
 go = torch.ops.graphopt

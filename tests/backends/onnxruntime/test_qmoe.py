@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphopt
 from graphopt.ops.moe_int4 import dequantize_experts
 from graphopt.ops.quant import dequantize_int4
-from graphopt.quantization import quantize_int4
+from graphopt.quant.groupwise import quantize_int4
 from tests.helpers import small_moe_lm
 from tests.op_cases import nonzero_random as r
 

@@ -175,7 +175,7 @@ def test_symbolic_sizes_stay_symbolic():
 # (d) INT4: refused in one line, and the model still runs (eagerly, quantized).
 
 def _int4_graph():
-    from graphopt.quantization import quantize_int4
+    from graphopt.quant.groupwise import quantize_int4
 
     q = quantize_int4(random(24, 64) * 0.05, 32, True, "float32", "rtn")
     return make_fx(lambda x: g.int4_linear(x, q.packed, q.scales, None, 32) + 1)(random(3, 64))

@@ -17,7 +17,7 @@ from triton.runtime.jit import JITFunction
 
 import graphopt.ops  # noqa: F401  (registers torch.ops.graphopt.*)
 from graphopt.backends.triton.kernels import int4_gemm
-from graphopt.quantization import quantize_int4
+from graphopt.quant.groupwise import quantize_int4
 
 from ._numerics import TOLERANCES, poisoned, randn
 

@@ -22,7 +22,7 @@ Each group keeps its best candidate, so the search is never worse than RTN in we
 error. But weight error is the wrong objective on a trained model: on SmolLM2-135M it
 raised perplexity more than RTN did, since it spends accuracy where activations are small.
 
-``search="gptq"`` (graphopt/quant_gptq.py) minimises the layer's output error on
+``search="gptq"`` (graphopt/quant/gptq.py) minimises the layer's output error on
 calibration activations instead (``hessian`` = X^T X): the pass's default.
 
 ``quantize_int8`` is the same format at 8 bits (one code a byte, zero point 128), for
@@ -89,12 +89,12 @@ def quantize_int4(weight: Tensor, group_size: int = 32, symmetric: bool = True,
                   hessian: Tensor | None = None, tokens: int | None = None, act_order: bool = False) -> Int4Weight:
     """Quantize an [N, K] weight group-wise along K (see the module docstring); ``hessian``
     (X^T X of ``tokens`` calibration activations, [K, K]) is what ``search="gptq"`` needs,
-    ``act_order`` its column order (graphopt/quant_gptq.py)."""
+    ``act_order`` its column order (graphopt/quant/gptq.py)."""
     _check(weight, group_size, search, hessian)
     dtype = scale_dtype_of(scale_dtype)
     n, k = weight.shape
     if search == "gptq":
-        from graphopt.quant_gptq import gptq
+        from graphopt.quant.gptq import gptq
 
         codes, scales, zeros = gptq(weight, hessian, group_size, 4, dtype, symmetric, tokens, act_order)
         return Int4Weight(pack_int4(codes), scales, pack_int4(zeros) if zeros is not None else None, group_size, k)
@@ -118,7 +118,7 @@ def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch
     dtype = scale_dtype_of(scale_dtype)
     n, k = weight.shape
     if hessian is not None:
-        from graphopt.quant_gptq import gptq
+        from graphopt.quant.gptq import gptq
 
         codes, scales, _ = gptq(weight, hessian, group_size, 8, dtype, tokens=tokens, act_order=act_order)
         return Int4Weight(codes, scales, None, group_size, k, bits=8)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphopt.quantization import _one_thread, _round, _round_scale
+from graphopt.quant.groupwise import _one_thread, _round, _round_scale
 
 # Added to H's diagonal, as a fraction of its mean: keeps H invertible when some input
 # channels are (almost) never active in the calibration text. GPTQ's paper default.
@@ -89,7 +89,7 @@ def gptq(weight: Tensor, h: Tensor, group_size: int, bits: int, scale_dtype: tor
         w, hp, groups_of = w[:, order], hp[order][:, order], groups_of[order]
     # One thread for the factorisations too: on a loaded 2-core machine two threads made the
     # 1536 x 1536 float64 inverse Cholesky 25x slower (31.7 s vs 1.26 s), and it ran per layer.
-    with _one_thread():  # small per-column steps: threads cost more than they give (quantization.py)
+    with _one_thread():  # small per-column steps: threads cost more than they give (groupwise.py)
         hinv = _inverse_cholesky(hp).float()
         codes, scales, zeros = _columns(w, hinv, group_size, groups_of, bits, scale_dtype, symmetric, scales, zeros)
     if act_order:

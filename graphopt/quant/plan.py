@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.quant_gptq import hessian
+from graphopt.quant.gptq import hessian
 
 
 def calibration_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any] | None,
