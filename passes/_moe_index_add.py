@@ -15,13 +15,13 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import linear_producing
 from graphopt.passes._moe_routing import (
     MoeMatch, call_of_output, downstream, grouped_mm_targets, match_routing, through_views,
 )
 from graphopt.rewrite import (
     MUL_OPS, RUNTIME_ASSERT_OPS, VIEW_OPS, commuted, expect, expect_op, is_op, strip_casts, val,
 )
+from graphopt.rewrite.linears import linear_producing
 
 aten = torch.ops.aten
 graphopt = torch.ops.graphopt

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from graphopt.linears import Linear, expect_constant_params, linear_producing
 from graphopt.rewrite import DIV_OPS, SOFTMAX_OPS, VIEW_OPS, call_args, expect, expect_op, is_op, strip_casts
+from graphopt.rewrite.linears import Linear, expect_constant_params, linear_producing
 
 aten = torch.ops.aten
 

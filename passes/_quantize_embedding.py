@@ -33,7 +33,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.quant import groupwise
-from graphopt.linears import param_name
+from graphopt.rewrite.linears import param_name
 from graphopt.pass_manager import NearMiss
 
 aten = torch.ops.aten

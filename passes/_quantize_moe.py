@@ -26,8 +26,8 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt.quant import groupwise
-from graphopt.linears import param_name
 from graphopt.rewrite import val
+from graphopt.rewrite.linears import param_name
 
 aten = torch.ops.aten
 graphopt = torch.ops.graphopt

@@ -36,12 +36,12 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import (
-    Linear, concat_params, concat_constant, expect_constant_params, expect_same_params, input_mismatch,
-    linear_producing, param_name, same_shape,
-)
 from graphopt.rewrite import (
     GATE_ACTIVATION_OPS, SPLIT_OPS, NoMatch, PatternPass, expect, is_op, last_dim_pieces, val,
+)
+from graphopt.rewrite.linears import (
+    Linear, concat_params, concat_constant, expect_constant_params, expect_same_params, input_mismatch,
+    linear_producing, param_name, same_shape,
 )
 
 aten = torch.ops.aten

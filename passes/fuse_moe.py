@@ -49,7 +49,6 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import expect_constant_params, linear_producing
 from graphopt.passes._moe_index_add import (  # GROUPED_MM_HINT re-exported: debug_cmd's MoE summary names it
     GROUPED_MM_HINT, LoopMatch, expert_loop_miss, moe_via_index_add_loop,
 )
@@ -60,6 +59,7 @@ from graphopt.rewrite import (
     MUL_OPS, SOFTMAX_OPS, VIEW_OPS, NoMatch, PatternPass, call_args, commuted, expect, expect_op, is_cast, is_op,
     strip_casts, val,
 )
+from graphopt.rewrite.linears import expect_constant_params, linear_producing
 
 aten = torch.ops.aten
 graphopt = torch.ops.graphopt

@@ -34,9 +34,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir, lazy_weights
-from graphopt.linears import match_linear, param_name
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.rewrite import GEMM_OPS, PatternPass, expect, val
+from graphopt.rewrite.linears import match_linear, param_name
 
 aten = torch.ops.aten
 graphopt = torch.ops.graphopt

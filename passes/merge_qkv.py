@@ -37,12 +37,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from graphopt.linears import (
-    Linear, concat_params, expect_constant_params, expect_same_params, input_mismatch,
-    match_linear,
-)
 from graphopt.rewrite import (
     GEMM_OPS, SPLIT_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, last_dim_pieces, same_leading_dims, val,
+)
+from graphopt.rewrite.linears import (
+    Linear, concat_params, expect_constant_params, expect_same_params, input_mismatch,
+    match_linear,
 )
 
 aten = torch.ops.aten

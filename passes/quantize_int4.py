@@ -62,7 +62,6 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import match_linear, param_name
 from graphopt.ops.quant import GROUP_SIZES
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.passes import _quantize_embedding, _quantize_moe
@@ -71,6 +70,7 @@ from graphopt.quant import plan as quant_plan
 from graphopt.quant.groupwise import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
 from graphopt.quant.report import summarize_layers
 from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
+from graphopt.rewrite.linears import match_linear, param_name
 
 aten = torch.ops.aten
 INT4_META = "graphopt_int4"  # node.meta key: the per-layer record of a quantized linear

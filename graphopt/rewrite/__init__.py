@@ -6,6 +6,9 @@ with a reason at the node where the pattern stops, and a ``rewrite`` that insert
 fused op. The base class does the rest: counting, near-miss records for
 ``graphopt debug --why``, the bisect limit, stamping new nodes and giving them
 ``meta["val"]``, dead-code elimination.
+
+``linears`` (imported by name, not re-exported here) reads a linear layer in any of its
+spellings into one ``Linear`` record, for the passes that rewrite weights.
 """
 
 from graphopt.rewrite.aten_ops import (  # noqa: F401

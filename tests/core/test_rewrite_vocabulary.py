@@ -17,7 +17,7 @@ import torch
 from graphopt.rewrite import aten_ops
 
 ROOT = Path(__file__).resolve().parents[2]
-MATCHING_MODULES = sorted((ROOT / "passes").glob("*.py")) + [ROOT / "graphopt" / "linears.py"]
+MATCHING_MODULES = sorted((ROOT / "passes").glob("*.py")) + [ROOT / "graphopt" / "rewrite" / "linears.py"]
 
 
 def _aten_refs(node: ast.AST) -> list[str]:

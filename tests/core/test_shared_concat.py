@@ -10,7 +10,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.linears import concat_constant
+from graphopt.rewrite.linears import concat_constant
 
 gen = torch.Generator().manual_seed(3)
 
