@@ -2,7 +2,7 @@
 
 ``torch.compile(m, backend="graphopt", options={"target": "tensorrt"})`` on an NVIDIA GPU.
 TensorRT knows no graphopt op, so each is first replaced by the ATen ops of its reference
-(``graphopt/decompose.py``, which the onnxruntime target shares): TensorRT then fuses the
+(``graphopt/ops/decompose.py``, which the onnxruntime target shares): TensorRT then fuses the
 standard ops itself, and nothing is left for torch-tensorrt to run in PyTorch between engines.
 The decomposed graph goes through ``torch.export`` to ``torch_tensorrt.dynamo.compile``.
 
@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.decompose import decompose_graphopt_ops
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.ops import op_name
+from graphopt.ops.decompose import decompose_graphopt_ops
 
 
 # Each names torch-tensorrt itself: some callers (graphopt fuzz) show a reason without its target.

@@ -7,6 +7,8 @@ graph after any pass still runs eagerly on any device) and a fake implementation
 their own kernel; an op a backend cannot lower runs its reference implementation.
 
 Importing this package registers every op; ``graphopt.ops.OPS`` lists them.
+``graphopt.ops.decompose`` (imported by name) turns an op node back into the ATen ops of
+its reference, in place, for a target that cannot lower that op.
 """
 
 from graphopt.ops import (activations, attention, kv_cache, linear, moe, moe_int4, norms, quant,  # noqa: F401

@@ -67,7 +67,7 @@ def moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, down: Tensor, k: int,
         _recording[-1].add(router_weight, experts)
     # Dense on purpose: every expert runs on every token and the routing weights (zero off
     # the top k) pick the sum. No data-dependent shapes, so the reference traces with fake
-    # tensors and is what a target without an MoE kernel runs (graphopt.decompose).
+    # tensors and is what a target without an MoE kernel runs (graphopt.ops.decompose).
     mix = torch.zeros(weights.shape[0], gate_up.shape[0], dtype=weights.dtype, device=x.device)
     mix = mix.scatter(1, experts, weights)  # [tokens, experts]
     gate, up = (x @ gate_up.transpose(1, 2)).chunk(2, dim=-1)  # [experts, tokens, inter] each

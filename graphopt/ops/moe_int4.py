@@ -94,7 +94,7 @@ def int4_moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, gate_up_scales: 
                    group_size, k)
     w1 = dequantize_experts(gate_up, gate_up_scales, gate_up_zeros, group_size, x.shape[-1]).to(x.dtype)
     w2 = dequantize_experts(down, down_scales, down_zeros, group_size, inter).to(x.dtype)
-    from graphopt.decompose import reference_of  # not at import: decompose imports this package
+    from graphopt.ops.decompose import reference_of  # not at import: decompose imports this package
 
     # graphopt.moe's reference, not the op: decomposing this op then leaves plain ATen ops
     # (a target that lowers no graphopt op, TensorRT, needs exactly that).

@@ -4,7 +4,7 @@ One op ORT cannot run must not send the whole graph to eager (DESIGN: fall back 
 as possible). Before any export, :func:`compile_partitioned`
 
 1. replaces each graphopt op without a translation (``translations/``) by the ATen ops of
-   its reference (``graphopt/decompose.py``, which TensorRT uses too): the exporter emits
+   its reference (``graphopt/ops/decompose.py``, which TensorRT uses too): the exporter emits
    those as standard ONNX ops and the graph stays whole;
 2. marks what the exporter cannot take, each with a reason: an op torch.onnx neither
    translates nor decomposes (another library's custom op: an MoE's expert dispatch), an op
@@ -37,9 +37,9 @@ from graphopt.backends.onnxruntime.compile import placement
 from graphopt.backends.onnxruntime.lower import lowering, translations
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
 from graphopt.backends.onnxruntime.compile.placement import EAGER, ORT, Plan, refusal, schedule
-from graphopt.decompose import inline_reference
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
+from graphopt.ops.decompose import inline_reference
 
 MAX_ROUNDS = 8
 _PARTITION = "graphopt_ort_partition"  # gm.meta flag: a graph this module already planned

@@ -21,11 +21,11 @@ from typer.testing import CliRunner
 import graphopt
 from graphopt import ir, models
 from graphopt.backends.tensorrt import target as T
-from graphopt.decompose import decompose_graphopt_ops
 from graphopt.cli.main import app
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
 from graphopt.ops import OPS
+from graphopt.ops.decompose import decompose_graphopt_ops
 from tests.backends.tensorrt._graphs import CASES, fresh_inputs, optimized_graph, random
 
 g = torch.ops.graphopt
