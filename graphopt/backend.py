@@ -13,7 +13,7 @@ import torch.fx as fx
 import graphopt.ops  # noqa: F401  (registers the graphopt:: ops before any graph uses them)
 from graphopt.config import Options
 from graphopt.errors import OptionsError
-from graphopt.frontend import compile_dynamo_graph
+from graphopt.frontend.trace import compile_dynamo_graph
 
 
 def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None,

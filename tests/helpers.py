@@ -43,7 +43,7 @@ def assert_matches_eager(actual: Any, expected: Any, rel: float) -> None:
 
 def aten_graph(module: torch.nn.Module, *inputs: Any) -> fx.GraphModule:
     """The frozen ATen graph graphopt's passes see, via the torch.export frontend."""
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     return export_aten_graph(module, inputs).gm
 

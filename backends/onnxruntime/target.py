@@ -32,13 +32,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt import graph_instance
 from graphopt import report as reports
 from graphopt.backends.onnxruntime.compile import reuse
 from graphopt.backends.onnxruntime.runtime.bound_outputs import BoundOutputs, release_arena_options
 from graphopt.backends.onnxruntime.runtime.heap_trim import release_after_run, release_free_heap
 from graphopt.backends.onnxruntime.compile.lazy_build import INTS_NOTE, NOTE, BuildOnSecondCall, build_on_second_call
 from graphopt.backends.onnxruntime.lower.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
+from graphopt.frontend import graph_instance
 from graphopt.ir import is_symbolic_size
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")

@@ -129,7 +129,7 @@ def optimize_and_export(module: torch.nn.Module, args: Sequence[torch.Tensor], c
     signature is not flat (``*past`` arguments), built from the same ``dims_for``.
     """
     from graphopt.compiler import run_pipeline
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     if dynamic_shapes is None:
         dynamic_shapes = tuple(dims_for(axis_names))

@@ -25,7 +25,7 @@ from graphopt import ir
 from graphopt.compiler import lower, run_pipeline
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 from graphopt.generation.runner import positions, step_adapter
 from graphopt.pass_manager import PassContext, PassManager, PipelineResult
 from graphopt.passes.static_kv_cache import StaticCacheSpec, spec_of

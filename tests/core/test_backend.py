@@ -118,7 +118,7 @@ def test_graphopt_compile_checks_options_up_front():
 
 def test_export_frontend_feeds_the_same_pipeline():
     from graphopt.compiler import compile_graph
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     loaded = load_model("llama-tiny", seq_len=8)
     program = export_aten_graph(loaded.module, loaded.example_inputs)
@@ -133,7 +133,7 @@ def test_export_frontend_feeds_the_same_pipeline():
 
 
 def test_frozen_weights_keep_their_parameter_names():
-    from graphopt.frontend import capture_aten_graphs
+    from graphopt.frontend.trace import capture_aten_graphs
     from graphopt.ir import PARAM_NAME
 
     loaded = load_model("llama-tiny", seq_len=8)

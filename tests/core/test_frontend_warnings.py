@@ -5,7 +5,7 @@ import warnings
 import torch
 
 from graphopt import models
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 
 
 def test_export_hides_torch_pytree_deprecation():

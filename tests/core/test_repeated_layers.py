@@ -5,10 +5,11 @@ is traced whole, with the reason."""
 import pytest
 import torch
 
-from graphopt import ir, repeated_layers
+from graphopt import ir
 from graphopt.backends.onnxruntime.decoder.inplace_cache import DecoderStep
 from graphopt.backends.onnxruntime.tool import dims_for
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend import repeated_layers
+from graphopt.frontend.trace import export_aten_graph
 
 transformers = pytest.importorskip("transformers")
 AXES = [{0: "batch", 1: "sequence"}, {0: "batch", 1: "sequence"}, {0: "batch"}]

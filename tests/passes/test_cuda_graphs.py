@@ -14,7 +14,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from typer.testing import CliRunner
 
 from graphopt import ir, models
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 from graphopt.passes.cuda_graphs import REGION, SKIPPED, plan_of
 from tests.helpers import run_pass
 

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir, models
-from graphopt.frontend import capture_aten_graphs
+from graphopt.frontend.trace import capture_aten_graphs
 from graphopt.pipeline import DEFAULT_PIPELINE
 from graphopt.registry import all_passes
 from tests.helpers import aten_graph, run_pass, small_moe_lm

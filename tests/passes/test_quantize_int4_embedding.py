@@ -194,7 +194,7 @@ def test_tied_llama_on_onnxruntime_reads_the_bytes_the_report_gives(tmp_path):
     from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
     from graphopt.compiler import run_pipeline
     from graphopt.config import Options
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     model = Logits(tied_llama(vocab=8320))
     ids = ids_for(8320, (1, 8))

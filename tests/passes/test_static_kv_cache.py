@@ -8,8 +8,8 @@ import torch.nn.functional as F
 
 import graphopt
 from graphopt import ir, models
+from graphopt.frontend.trace import export_aten_graph
 from graphopt.generation.runner import ExplicitCacheStep
-from graphopt.frontend import export_aten_graph
 from graphopt.ops.kv_cache import kv_cache_update
 from graphopt.passes.static_kv_cache import spec_of
 from tests.helpers import run_pass

@@ -9,7 +9,7 @@ and its dynamic axes take any size), so exporting again would only cost time (a 
 llama-small) and a second copy of the weights in memory.
 
 ``graph_instance.instance_of(earlier, graph)`` proves the substitution node by node, before
-any reuse (``graphopt/graph_instance.py`` says how).
+any reuse (``graphopt/frontend/graph_instance.py`` says how).
 
 Anything that does not match exports as usual; a match records a note in the report, not a
 build. Entries live as long as the compiled callable that owns the session.
@@ -30,8 +30,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from graphopt.graph_instance import instance_of
-from graphopt.graph_instance import shape as graph_shape
+from graphopt.frontend.graph_instance import instance_of
+from graphopt.frontend.graph_instance import shape as graph_shape
 
 log = logging.getLogger("graphopt")
 

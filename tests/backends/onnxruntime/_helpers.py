@@ -12,7 +12,7 @@ pytest.importorskip("onnxscript", reason="the onnxruntime target needs onnxscrip
 
 from graphopt.backends.onnxruntime.lower.export import OnnxModel, export_graph  # noqa: E402
 from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session  # noqa: E402
-from graphopt.frontend import export_aten_graph  # noqa: E402
+from graphopt.frontend.trace import export_aten_graph  # noqa: E402
 
 
 class Call(torch.nn.Module):

@@ -136,9 +136,9 @@ def test_a_batch_of_one_after_a_dynamic_batch_runs_on_the_dynamic_session(sessio
                                                                           level):
     """Dynamo's third graph (batch fixed at 1 after a dynamic batch) is the dynamic graph with
     s0 = 1: it runs on that graph's session, with a note and no build. First the dynamo graph
-    is matched (graphopt/dynamo_reuse.py: no AOT trace, no passes); where that declines, the
+    is matched (graphopt/frontend/dynamo_reuse.py: no AOT trace, no passes); where that declines, the
     ATen graph after the passes (reuse.py: no export)."""
-    from graphopt import dynamo_reuse
+    from graphopt.frontend import dynamo_reuse
 
     if level == "session":
         monkeypatch.setattr(dynamo_reuse, "serve", lambda *args: None)

@@ -138,7 +138,7 @@ def test_bytes_read_refuse_a_weight_that_is_not_an_initializer():
 def test_the_option_decides_whether_onnx_gets_gather_block_quantized(embedding_bits):
     from graphopt.backends.onnxruntime.lower.export import export_graph
     from graphopt.compiler import run_pipeline
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Embedding(50, 64), torch.nn.Linear(64, 40, bias=False))

@@ -18,7 +18,7 @@ from graphopt.backends.onnxruntime.lower.translations import int4 as int4_transl
 from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.compiler import run_pipeline
 from graphopt.config import Options
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 from graphopt.quant.report import logits_metrics
 from graphopt.quant.groupwise import quantize_int4, quantize_int8
 from tests.backends.onnxruntime._helpers import Call, export_and_run, rel_err

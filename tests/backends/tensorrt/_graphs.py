@@ -9,7 +9,7 @@ import functools
 from graphopt import models
 from graphopt.compiler import run_pipeline
 from graphopt.config import Options
-from graphopt.frontend import capture_aten_graphs
+from graphopt.frontend.trace import capture_aten_graphs
 from tests.op_cases import OP_CASES, nonzero_random
 
 # Every graphopt op, one small call each (shared with the other targets' tests).

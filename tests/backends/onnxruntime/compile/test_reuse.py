@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from graphopt.graph_instance import describe, instance_of
+from graphopt.frontend.graph_instance import describe, instance_of
 
 
 def traced(fn, *inputs, symbolic: bool):

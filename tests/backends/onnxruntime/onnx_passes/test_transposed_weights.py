@@ -15,7 +15,7 @@ from graphopt.backends.onnxruntime.lower.export import export_graph
 from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
 from graphopt.backends.onnxruntime.onnx_passes.transposed_weights import multiply_by_transposes, transposed_matmul_weights
 from graphopt.backends.onnxruntime.runtime.weights_in_memory import serialize_sharing_weights
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 from tests.backends.onnxruntime._helpers import Call
 
 

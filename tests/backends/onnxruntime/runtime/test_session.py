@@ -15,7 +15,7 @@ from tests.backends.onnxruntime._helpers import Call, export_and_run  # noqa: F4
 @pytest.fixture(scope="module")
 def runner_and_inputs():
     from graphopt.backends.onnxruntime.lower.export import export_graph
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     module = Call(lambda s, x, y: (x @ s.w + y, (x * 2).sum(-1)), w=torch.randn(8, 8))
     x, y = torch.randn(3, 8), torch.randn(3, 8)

@@ -12,7 +12,7 @@ import torch
 from graphopt.backends.onnxruntime.lower.export import export_graph
 from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
 from graphopt.backends.onnxruntime.runtime.weights_in_memory import IN_MEMORY, MIN_BYTES, serialize_sharing_weights
-from graphopt.frontend import export_aten_graph
+from graphopt.frontend.trace import export_aten_graph
 from tests.backends.onnxruntime._helpers import Call
 
 

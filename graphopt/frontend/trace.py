@@ -33,12 +33,14 @@ from torch._dynamo.exc import RestartAnalysis
 from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from graphopt import dynamo_reuse, ir, repeated_layers
+from graphopt import ir
 from graphopt.compiler import compile_graph
 from graphopt.config import Options
-from graphopt.dynamic_floats import (dynamic_float_inputs, dynamic_float_readers, name_dynamic_floats,
-                                     specialize_float_attributes)
 from graphopt.errors import BackendFailed, GraphoptError
+from graphopt.frontend import dynamo_reuse, repeated_layers
+from graphopt.frontend.dynamic_floats import (
+    dynamic_float_inputs, dynamic_float_readers, name_dynamic_floats, specialize_float_attributes,
+)
 from graphopt.report import CompileReport, record, reports
 
 log = logging.getLogger("graphopt")
@@ -279,7 +281,7 @@ def export_aten_graph(model: torch.nn.Module, args: tuple, kwargs: dict | None =
     """torch.export the model, decompose to ATen, and freeze its weights.
 
     ``trace_repeated_once``: a model whose layers repeat is traced with two of them and the
-    rest stamped in as copies (graphopt/repeated_layers.py); ``AtenProgram.notes`` says
+    rest stamped in as copies (graphopt/frontend/repeated_layers.py); ``AtenProgram.notes`` says
     whether it was, or why the whole model was traced.
     """
     stack, why = repeated_layers.find_stack(model) if trace_repeated_once else (None, "")

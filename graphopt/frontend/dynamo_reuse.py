@@ -35,8 +35,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from graphopt import graph_instance
 from graphopt.compiler import dynamo_recompile_reason
+from graphopt.frontend import graph_instance
 from graphopt.report import CompileReport, record
 
 log = logging.getLogger("graphopt")

@@ -17,7 +17,7 @@ substitution before anything relies on it:
 
 ``key`` is the node meta that holds each value: ``"val"`` in ATen graphs (the onnxruntime
 target's session reuse, ``backends/onnxruntime/compile/reuse.py``), ``"example_value"`` in dynamo's
-own graphs (``graphopt/dynamo_reuse.py``).
+own graphs (``graphopt/frontend/dynamo_reuse.py``).
 """
 
 from __future__ import annotations
