@@ -23,7 +23,8 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
     runs it (workers spin between ops, torch on one thread while it decodes alone); off for
     lockstep, where its spinning workers would slow the torch variants stepped between."""
     from graphopt.backends.onnxruntime import tool
-    from graphopt.backends.onnxruntime.decoder.decoder import InPlaceSession, OrtRunner
+    from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner
+    from graphopt.backends.onnxruntime.decoder.in_place import InPlaceSession
     from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
 
     if path is None:

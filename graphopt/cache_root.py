@@ -9,9 +9,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def cache_root() -> Path | None:
@@ -70,4 +71,6 @@ def package_version(name: str) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes as they lie (any dtype, bfloat16 too), for hashing its values into a key."""
+    import torch
+
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data

@@ -6,8 +6,6 @@ import statistics
 import time
 from typing import Any, Callable, Sequence
 
-import torch
-
 from graphopt.config import Options
 from graphopt.errors import OptionsError
 
@@ -37,6 +35,8 @@ def load(spec: str, seed: int, batch: int, seq_len: int):
 def time_ms(fns: Sequence[Callable], inputs: Sequence[Any], repeat: int, warmup: int = 2) -> list[float]:
     """Median wall time in ms of each ``fn(*inputs)``, measured round-robin so that every
     function sees the same machine noise (these machines are shared), after ``warmup`` calls."""
+    import torch
+
     samples: list[list[float]] = [[] for _ in fns]
     with torch.no_grad():
         for fn in fns:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import statistics
 import sys
 
-import torch
 import typer
 
 from graphopt.cli.common import parse_options
@@ -60,8 +59,8 @@ def generate(
     Example: graphopt generate model.gguf -p "The capital of France is" -n 32 --tp 2 --target eager
     """
     import graphopt
-    from graphopt.generation import StopConditions
-    from graphopt.sources import load_checkpoint, load_model
+    from graphopt.generation.sampling import StopConditions
+    from graphopt.sources import load_checkpoint
     from graphopt.sources.tokenizers import load_tokenizer
 
     if max_new_tokens < 1:
@@ -73,29 +72,28 @@ def generate(
         tokenizer = load_tokenizer(model, slim=not chat)  # a chat template needs transformers' renderer
         texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
         # A .gguf on its own weights is a Checkpoint: the decoder an earlier run kept for it opens
-        # without building the model; --tp shards a module, so it builds one.
+        # without building the model, or importing torch; --tp shards a module, so it builds one.
         checkpoint = None if dequantize or tp > 1 else load_checkpoint(model)
-        if checkpoint is None:
-            loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
-            if loaded.family != "hf-causal-lm":
-                raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
-    decoded, load_notes = (checkpoint, []) if checkpoint is not None else (loaded.module, loaded.notes)
-    encoded = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
-    eos = _eos_ids(tokenizer, loaded.module if checkpoint is None else None)
+        loaded = None if checkpoint is not None else _load_causal_lm(model, dequantize)
+    # numpy ids for a checkpoint: its decoder runs without torch (graphopt.generation.checkpoint)
+    encoded = tokenizer(texts, return_tensors="np" if checkpoint is not None else "pt", padding=True,
+                        add_special_tokens=not chat)
+    eos = _eos_ids(tokenizer, loaded.module if loaded is not None else None)
     stops = StopConditions(eos, tuple(stop), decode=tokenizer.decode, pad_token_id=tokenizer.pad_token_id)
     if tp > 1:  # the same decode on N ranks, one shard each (graphopt.distributed.tp_generate)
         from graphopt.distributed.cli import generate_text_tp_cmd
 
         generate_text_tp_cmd(model, tp, config.to_dict(), prompt, encoded, stops, tokenizer, max_new_tokens,
-                             json_out, module=decoded)
+                             json_out, module=loaded.module)
         return
     stream = _Stream(tokenizer) if len(prompt) == 1 and not json_out else None
     if stream:
         sys.stdout.write(prompt[0] if not chat else "")
     with step(f"generating on target {config.target}", json_out or stream is not None):
-        out = graphopt.generate(decoded, encoded["input_ids"], max_new_tokens,
-                                attention_mask=encoded["attention_mask"], stop=stops, options=config.to_dict(),
-                                on_token=stream)
+        out = graphopt.generate(checkpoint if checkpoint is not None else loaded.module, encoded["input_ids"],
+                                max_new_tokens, attention_mask=encoded["attention_mask"], stop=stops,
+                                options=config.to_dict(), on_token=stream)
+    load_notes = loaded.notes if loaded is not None else []
     outputs = [{"prompt": p, "text": tokenizer.decode(out.token_ids(i), skip_special_tokens=True),
                 "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
     summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
@@ -110,6 +108,15 @@ def generate(
         for item in outputs:
             console.print(item["prompt"] + item["text"], highlight=False, markup=False)
     _print_summary(summary, len(prompt))
+
+
+def _load_causal_lm(model: str, dequantize: bool):
+    from graphopt.sources import load_model
+
+    loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
+    if loaded.family != "hf-causal-lm":
+        raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
+    return loaded
 
 
 def _chat(tokenizer, model: str, text: str) -> str:
@@ -134,7 +141,7 @@ class _Stream:
     def __init__(self, tokenizer) -> None:
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
 
-    def __call__(self, token: torch.Tensor, live: torch.Tensor) -> None:
+    def __call__(self, token, live) -> None:  # [B, 1] and [B]: torch tensors or numpy arrays
         if not bool(live[0]):
             return
         self.ids.append(int(token[0, 0]))

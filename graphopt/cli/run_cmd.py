@@ -9,13 +9,10 @@ from __future__ import annotations
 import statistics
 import time
 
-import torch
 import typer
 
-import graphopt
 from graphopt.cli.common import MODEL_HELP, load, parse_options, time_ms
 from graphopt.cli.output import console, print_json, step, table
-from graphopt.numerics import compare
 
 
 def run(
@@ -48,6 +45,11 @@ def run(
     if generate:
         _run_generate(model, config, batch, seq_len, seed, generate, json_out)
         return
+    import torch
+
+    import graphopt
+    from graphopt.numerics import compare
+
     with step(f"loading {model}", json_out):
         loaded = load(model, seed, batch, seq_len)
     module, inputs = loaded.module, loaded.example_inputs
@@ -127,6 +129,9 @@ def _no_reports_reason(target: str, out) -> str | None:
 
 
 def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens: int, json_out: bool) -> None:
+    import torch
+
+    import graphopt
     from graphopt.sources import load_model
     from graphopt.errors import GraphoptError
     from graphopt.generation import generate_with_reference

@@ -28,19 +28,16 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-from torch import Tensor, nn
-
-from graphopt import lazy_weights
 from graphopt.config import Options
 from graphopt.errors import GraphoptError, TargetUnavailable
-from graphopt.generation.checkpoint import Checkpoint
+from graphopt.generation.checkpoint import Checkpoint, decode_checkpoint
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
-from graphopt.generation.runner import EagerRunner, inference_mode, step_adapter
-from graphopt.generation.runner_cache import cached_runner
-from graphopt.generation.sampling import Sampler, StopConditions
+from graphopt.generation.sampling import Sampler, StopConditions, array_module
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
 
 log = logging.getLogger("graphopt")
 
@@ -49,26 +46,27 @@ log = logging.getLogger("graphopt")
 RUNNERS: dict[str, str] = {
     "onnxruntime": "graphopt.backends.onnxruntime.decoder.decoder:OrtRunner",
 }
-# Targets whose runner is made from a Checkpoint's file, as "module:function(checkpoint,
-# config, max_length)"; any other target decodes the module the checkpoint builds.
-CHECKPOINT_RUNNERS: dict[str, str] = {
-    "onnxruntime": "graphopt.backends.onnxruntime.decoder.from_checkpoint:checkpoint_runner",
-}
 
 
 def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attention_mask: Any) -> int:
-    """Validate the arguments; returns the static cache length to use."""
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int):
-        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if isinstance(input_ids, Tensor) else type(input_ids).__name__
+    """Validate the arguments (torch tensors, or numpy arrays for a Checkpoint); returns the
+    static cache length to use."""
+    kind = array_module(input_ids).__name__ if hasattr(input_ids, "shape") else None
+    if kind not in ("torch", "numpy") or len(input_ids.shape) != 2 or str(input_ids.dtype).removeprefix("torch.") \
+            not in ("int64", "int32"):
+        got = f"{input_ids.dtype} {tuple(input_ids.shape)}" if kind else type(input_ids).__name__
         raise GraphoptError(f"input_ids must be an integer tensor [batch, seq], got {got}")
     prompt = input_ids.shape[1]
     if prompt < 1 or max_new_tokens < 0:
         raise GraphoptError(f"need a prompt of >= 1 token and max_new_tokens >= 0, got {prompt} and {max_new_tokens}")
     if attention_mask is not None:
-        if not isinstance(attention_mask, Tensor) or attention_mask.shape != input_ids.shape:
+        if not hasattr(attention_mask, "shape") or array_module(attention_mask).__name__ != kind \
+                or tuple(attention_mask.shape) != tuple(input_ids.shape):
             raise GraphoptError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}")
-        ones = attention_mask.long().cumsum(-1)
-        if not bool(((attention_mask.long() == 1) | (ones == 0)).all()) or bool((attention_mask[:, -1] == 0).any()):
+        xp = array_module(attention_mask)
+        mask = xp.asarray(attention_mask, dtype=xp.int64)
+        ones = mask.cumsum(-1)
+        if not bool(((mask == 1) | (ones == 0)).all()) or bool((mask[:, -1] == 0).any()):
             raise GraphoptError("attention_mask must pad on the left only (zeros, then ones, every row ending in "
                                 "a token); pad with tokenizer.padding_side = 'left'")
     max_length = max_length or prompt + max_new_tokens
@@ -78,31 +76,11 @@ def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attentio
     return max_length
 
 
-def _from_checkpoint(checkpoint: Checkpoint, input_ids: Tensor, max_new_tokens: int, attention_mask, sampling: dict,
-                     stop: StopConditions | None, max_length: int, config: Options, on_token, reference: bool):
-    """Decode ``checkpoint`` on its target's runner made from the file (no module built), or
-    None when the target has no such runner (the caller builds the module)."""
-    try:
-        name = resolve_name(config)
-    except TargetUnavailable:
-        return None
-    where = CHECKPOINT_RUNNERS.get(name)
-    if where is None or reference or max_new_tokens == 0:
-        return None
-    module, attr = where.split(":")
-    make = getattr(importlib.import_module(module), attr)
-    mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
-    sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}
-    runner = make(checkpoint, config.replace(target=name), max_length)
-    results = _decode([runner], input_ids, mask, max_new_tokens, lambda: Sampler(**sampling, device=input_ids.device),
-                      stop or StopConditions(), on_token)
-    results[0].notes[:0] = list(checkpoint.notes)
-    return results
-
-
 def _materialize_unless_streamed(model: nn.Module, config: Options, reference: bool) -> str | None:
     """Read a lazy model's weights into memory (dequantized) unless only the onnxruntime decoder,
     which writes them from the checkpoint itself, will run it; the note says so."""
+    from graphopt import lazy_weights
+
     if not lazy_weights.has_lazy_weights(model):
         return None
     try:
@@ -170,6 +148,8 @@ def _decode(runners: list, input_ids: Tensor, mask: Tensor | None, max_new_token
         spread = None
         if on_token is not None:
             def spread(token, live, rows=rows):  # the group's tokens in the whole batch's rows
+                import torch
+
                 full = torch.zeros(input_ids.shape[0], 1, dtype=token.dtype, device=token.device)
                 alive = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=token.device)
                 full[rows], alive[rows] = token, live
@@ -191,11 +171,21 @@ def _run(model: nn.Module | Checkpoint, input_ids: Tensor, max_new_tokens: int, 
     config = Options.parse(options)
     max_length = _check(input_ids, max_new_tokens, max_length, attention_mask)
     if isinstance(model, Checkpoint):
-        served = _from_checkpoint(model, input_ids, max_new_tokens, attention_mask, sampling, stop, max_length, config,
-                                  on_token, reference)
-        if served is not None:
-            return served
+        if not reference:
+            served = decode_checkpoint(model, input_ids, max_new_tokens, attention_mask=attention_mask,
+                                       sampling=sampling, stop=stop, max_length=max_length, config=config,
+                                       on_token=on_token)
+            if served is not None:
+                return [served]
         model = model.build()
+    import torch
+
+    from graphopt.generation.runner import EagerRunner, inference_mode, step_adapter
+    from graphopt.generation.runner_cache import cached_runner
+
+    if array_module(input_ids).__name__ == "numpy":  # a Checkpoint no file runner served: torch from here on
+        input_ids = torch.from_numpy(input_ids)
+        attention_mask = torch.from_numpy(attention_mask) if attention_mask is not None else None
     step_adapter(model)  # one line naming what graphopt decodes, before any target is tried
     mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
     stop = stop or StopConditions()
@@ -274,6 +264,8 @@ def eager_generate(model: nn.Module, input_ids: Tensor, max_new_tokens: int, *,
                    attention_mask: Tensor | None = None, stop: StopConditions | None = None,
                    **sampling: Any) -> GenerateResult:
     """The reference: the same loop run eagerly on the model's own growing (concatenated) cache."""
+    from graphopt.generation.runner import EagerRunner, inference_mode
+
     _check(input_ids, max_new_tokens, None, attention_mask)
     mask = attention_mask if attention_mask is not None and not bool(attention_mask.all()) else None
     sampling = {"do_sample": False, "temperature": 1.0, "top_k": None, "top_p": None, "seed": None, **sampling}

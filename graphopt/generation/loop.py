@@ -8,6 +8,10 @@ out), and the runners take turns step by step, so on a shared machine the noise 
 of them alike. That is how ``generate_with_reference`` puts a target next to eager, except
 for a runner that sets torch's threads for its loop (``decoding()``, the onnxruntime
 decoder), which decodes alone first (generation/api.py ``_drive``).
+
+The loop runs on torch tensors or, for a runner that takes numpy arrays (a kept ONNX Runtime
+decoder, ``in_place.ArrayRunner``), on numpy arrays without importing torch: ``input_ids``
+says which, and the result's arrays are of the same kind.
 """
 
 from __future__ import annotations
@@ -16,17 +20,18 @@ import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-import torch
-from torch import Tensor
+from graphopt.generation.sampling import Sampler, StopConditions, array_module
 
-from graphopt.generation.sampling import Sampler, StopConditions
-from graphopt.report import CompileReport
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from graphopt.report import CompileReport
 
 # on_token(token [B, 1], live [B]): called with every token chosen by the first runner;
 # ``live`` marks the rows that were still generating when it was chosen.
-TokenCallback = Callable[[Tensor, Tensor], None]
+TokenCallback = Callable[["Tensor", "Tensor"], None]
 
 
 @dataclass
@@ -60,9 +65,9 @@ class GenerateResult:
         return statistics.median(window) if window else None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _sync(xp, device) -> None:
+    if xp.__name__ == "torch" and device.type == "cuda":
+        xp.cuda.synchronize(device)
 
 
 class _Lane:
@@ -72,15 +77,16 @@ class _Lane:
         self.runner, self.sampler = runner, sampler
         self.result = GenerateResult(input_ids, input_ids.shape[1], target=runner.target)
         self.tokens: list[Tensor] = []
-        self.finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        self.lengths = torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
+        xp = array_module(input_ids)
+        self.finished = xp.zeros_like(input_ids[:, 0], dtype=xp.bool)
+        self.lengths = xp.zeros_like(input_ids[:, 0], dtype=xp.int64)
         self.current: Tensor | None = None
 
     def accept(self, stop: StopConditions, on_token: TokenCallback | None) -> bool:
         """Take the token just chosen; True while some row still generates."""
         live = ~self.finished
-        token, self.finished = stop.update(self.current.to(torch.long), self.finished, self.tokens)
-        self.lengths += live.long()
+        token, self.finished = stop.update(self.current, self.finished, self.tokens)
+        self.lengths += live
         self.tokens.append(token)
         self.current = token
         if on_token is not None:
@@ -98,10 +104,11 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
     its rows met ``stop``; the first runner's tokens go to ``on_token`` as they come.
     """
     stop = stop or StopConditions()
-    device = input_ids.device
+    xp, device = array_module(input_ids), input_ids.device
     lanes = [_Lane(r, s, input_ids) for r, s in zip(runners, samplers)]
     prompt = input_ids.shape[1]
-    with torch.no_grad(), contextlib.ExitStack() as threads:
+    no_grad = xp.no_grad() if xp.__name__ == "torch" else contextlib.nullcontext()
+    with no_grad, contextlib.ExitStack() as threads:
         for lane in lanes:
             lane.runner.prepare(input_ids, attention_mask)
         if all(hasattr(lane.runner, "decoding") for lane in lanes):
@@ -113,7 +120,7 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
         for lane in lanes:
             start = time.perf_counter()
             lane.current = lane.sampler(lane.runner.prefill(input_ids, attention_mask))
-            _sync(device)
+            _sync(xp, device)
             lane.result.prefill_ms = (time.perf_counter() - start) * 1e3
         active = list(lanes)
         for i in range(max_new_tokens):
@@ -124,11 +131,11 @@ def drive(runners: Sequence, input_ids: Tensor, attention_mask: Tensor | None, m
                 lane.runner.prepare_step(lane.current, prompt + i)  # compiles on a new signature: the first step
                 start = time.perf_counter()
                 lane.current = lane.sampler(lane.runner.step(lane.current, prompt + i))
-                _sync(device)
+                _sync(xp, device)
                 lane.result.ms_per_token.append((time.perf_counter() - start) * 1e3)
     for lane in lanes:
         runner, result = lane.runner, lane.result
-        result.sequences = torch.cat([input_ids, *lane.tokens], dim=1)
+        result.sequences = xp.concat([input_ids, *lane.tokens], axis=1)
         result.new_lengths = lane.lengths.tolist()
         result.compiles, result.prefill_compiles = runner.compiles, runner.prefill_compiles
         result.compile_s, result.cuda_graphs = runner.compile_s, runner.cuda_graphs
@@ -141,6 +148,8 @@ def merge_groups(input_ids: Tensor, groups: list[tuple[list[int], GenerateResult
     """One result for a batch decoded as groups of rows: each row's new tokens after its prompt
     (the batch's own, padding kept), timings summed step by step (a step of the batch is one
     step of every group), compile counts from the last group (runners count cumulatively)."""
+    import torch
+
     batch, prompt = input_ids.shape
     longest = max(r.new_tokens.shape[1] for _, r in groups)
     new = torch.full((batch, longest), pad, dtype=input_ids.dtype, device=input_ids.device)

@@ -4,17 +4,29 @@
 generator, so a sampled run repeats exactly. ``StopConditions``: EOS token ids, stop strings
 (they need the tokenizer's ``decode``), and the rows already finished; the loop in
 ``graphopt.generation.loop`` asks it after every token.
+
+Both take torch tensors or numpy arrays (a kept ONNX Runtime decoder runs without torch) and
+answer in the kind they were given: the functions they call are spelled alike in both
+(``array_module``). Sampling draws from torch's generator either way, so a seed gives the same
+tokens whichever runner produced the logits.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from graphopt.errors import GraphoptError
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+def array_module(x: Any):
+    """torch or numpy, whichever ``x`` belongs to: where, isin, concat, zeros_like and asarray
+    take the same arguments in both (numpy >= 2)."""
+    return sys.modules[type(x).__module__.partition(".")[0]]
 
 
 class Sampler:
@@ -32,13 +44,19 @@ class Sampler:
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
         self.generator = None
         if do_sample:
+            import torch
+
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(0 if seed is None else seed)
 
     def __call__(self, logits: Tensor) -> Tensor:
         """[B, V] logits of the last position -> [B, 1] next tokens."""
         if not self.do_sample:
-            return logits.argmax(-1, keepdim=True)
+            return logits.argmax(-1)[:, None]
+        import torch
+
+        if not isinstance(logits, torch.Tensor):  # numpy logits: drawn by torch, handed back as numpy
+            return self(torch.from_numpy(logits)).numpy()
         scores = logits.float() / self.temperature
         if self.top_k is not None and self.top_k < scores.shape[-1]:
             kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]
@@ -82,13 +100,14 @@ class StopConditions:
 
     def update(self, token: Tensor, finished: Tensor, new_tokens: list[Tensor]) -> tuple[Tensor, Tensor]:
         """(token with finished rows padded, finished after it) for ``token`` [B, 1]."""
-        token = token.masked_fill(finished.unsqueeze(-1), self.pad)
-        done = finished.clone()
+        xp = array_module(token)
+        token = xp.where(finished[:, None], self.pad, token)
+        done = finished | False  # a new array either way
         if self.eos_token_ids:
-            done |= torch.isin(token[:, 0], torch.tensor(list(self.eos_token_ids), device=token.device))
+            done |= xp.isin(token[:, 0], xp.asarray(list(self.eos_token_ids), device=token.device))
         if self.stop_strings:
-            tail = torch.cat([*new_tokens[-self._tail + 1:], token], dim=1) if new_tokens else token
-            for row in (~done).nonzero().flatten().tolist():
+            tail = xp.concat([*new_tokens[-self._tail + 1:], token], axis=1) if new_tokens else token
+            for row in [r for r, d in enumerate(done.tolist()) if not d]:
                 text = self.decode(tail[row].tolist())
                 done[row] = any(s in text for s in self.stop_strings)
         return token, done

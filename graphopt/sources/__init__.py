@@ -13,8 +13,24 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
 - ``gguf_blocks``: llama.cpp's quantized blocks re-laid out as graphopt's block format, value for value.
 - ``gguf_lazy``: a ``.gguf`` file as a transformers model whose weights stay in the file until a
   runtime asks.
+- ``checkpoints``: a model file as a ``Checkpoint`` before anything is built (``load_checkpoint``),
+  and whether decoding it fits in memory; no torch.
+
+The names below load on first use, so that ``load_checkpoint`` and ``tokenizers`` cost no torch.
 """
 
-from graphopt.sources.load import LoadedModel, LogitsOnly, OutputOnly, gguf_packages, load_checkpoint, load_model
+import importlib
+from typing import Any
 
 __all__ = ["LoadedModel", "LogitsOnly", "OutputOnly", "gguf_packages", "load_checkpoint", "load_model"]
+
+_WHERE = {"LoadedModel": "common", "LogitsOnly": "load", "OutputOnly": "hf", "gguf_packages": "checkpoints",
+          "load_checkpoint": "checkpoints", "load_model": "load"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'graphopt.sources' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"graphopt.sources.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

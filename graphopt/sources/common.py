@@ -4,8 +4,10 @@ its ``ModelLoadError`` quotes. See ``graphopt/sources/load.py`` for the sources.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 
 @dataclass

@@ -34,11 +34,10 @@ from torch import Tensor, nn
 
 from graphopt import models
 from graphopt.sources.common import LoadedModel
-from graphopt.sources.common import first_line as _first_line  # noqa: F401  (tokenizers.py's name)
 from graphopt.sources.factory import from_factory
-from graphopt.sources.gguf import from_gguf, gguf_checkpoint, gguf_packages
+from graphopt.sources.checkpoints import gguf_packages, load_checkpoint  # noqa: F401  (re-exported)
+from graphopt.sources.gguf import from_gguf
 from graphopt.sources.hf import PICKLE_SUFFIXES, OutputOnly, hf_model, pickle_refusal, read_config
-from graphopt.sources.hf import import_transformers as _transformers  # noqa: F401  (tokenizers.py's name)
 from graphopt.errors import ModelLoadError
 
 # Callers import these from here whichever module loads the kind of model they name.
@@ -92,15 +91,6 @@ def load_model(
         f"unknown model {spec!r}: use a built-in name ({', '.join(models.names())}), "
         "a config.json path, a safetensors checkpoint directory, or package.module:factory"
     )
-
-
-def load_checkpoint(spec: str, dtype: torch.dtype = torch.float32):
-    """``spec`` as a ``Checkpoint`` (a file graphopt can key and build lazily: a ``.gguf`` run on
-    its own weights), or None when it is another kind of model (load it with load_model)."""
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return gguf_checkpoint(path, dtype)
-    return None
 
 
 def _looks_like_path(spec: str) -> bool:

@@ -14,12 +14,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 
 class SlimTokenizer:
-    """``tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=...)``,
-    ``decode``, and the special tokens, padding on the left."""
+    """``tokenizer(texts, return_tensors="pt" | "np", padding=True, add_special_tokens=...)``,
+    ``decode``, and the special tokens, padding on the left. Importing it imports no torch."""
 
     padding_side = "left"
     chat_template = None  # rendering one needs transformers (load_tokenizer(spec))
@@ -50,16 +50,20 @@ class SlimTokenizer:
         single = isinstance(texts, str)
         rows = [e.ids for e in self.backend.encode_batch([texts] if single else list(texts),
                                                          add_special_tokens=add_special_tokens)]
-        if return_tensors != "pt":
+        if return_tensors not in ("pt", "np"):
             return {"input_ids": rows[0] if single else rows}
         width = max(len(r) for r in rows)
         pad = self.pad_token_id if self.pad_token_id is not None else 0
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], dtype=torch.long)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+        ids = np.array([[pad] * (width - len(r)) + r for r in rows], dtype=np.int64)
+        mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=np.int64)
+        if return_tensors == "pt":
+            import torch
+
+            ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
         return {"input_ids": ids, "attention_mask": mask}
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
 

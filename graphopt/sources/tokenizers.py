@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from graphopt.sources.gguf_cache import load_or_convert
-from graphopt.sources.load import _first_line, _transformers, gguf_packages
 from graphopt.errors import ModelLoadError
+from graphopt.sources.checkpoints import gguf_packages
+from graphopt.sources.common import first_line
+from graphopt.sources.gguf_cache import load_or_convert
 
 
 def load_tokenizer(spec: str, slim: bool = False) -> Any:
@@ -38,7 +39,9 @@ def load_tokenizer(spec: str, slim: bool = False) -> Any:
     else:
         raise ModelLoadError(f"{spec} has no tokenizer: pass a .gguf file or a checkpoint directory with "
                              "tokenizer.json (built-in models have random weights and no vocabulary)")
-    transformers = _transformers()
+    from graphopt.sources.hf import import_transformers
+
+    transformers = import_transformers()
     auto = transformers.AutoTokenizer
     try:
         if where:  # a .gguf: converted once, then read from its kept folder (graphopt/sources/gguf_cache.py)
@@ -46,7 +49,7 @@ def load_tokenizer(spec: str, slim: bool = False) -> Any:
         else:
             tokenizer = auto.from_pretrained(str(folder))
     except Exception as exc:
-        raise ModelLoadError(f"cannot load the tokenizer of {spec} ({_first_line(exc)}); check its tokenizer files") \
+        raise ModelLoadError(f"cannot load the tokenizer of {spec} ({first_line(exc)}); check its tokenizer files") \
             from None
     tokenizer.padding_side = "left"  # decoding continues at the right end of every row
     if tokenizer.pad_token_id is None:

@@ -46,3 +46,43 @@ def test_a_changed_file_is_another_checkpoint(tiny):
     first = load_checkpoint(str(tiny)).identity
     write_tiny(tiny, "qwen2", {"ffn_down": T.Q4_K}, seed=1)
     assert load_checkpoint(str(tiny)).identity != first
+
+
+def test_a_padded_numpy_batch_decodes_on_the_kept_decoder_as_each_prompt_alone(tiny):
+    """numpy ids in, numpy ids out: the kept decoder's runner works on numpy arrays, a
+    left-padded batch in one pass, each row giving what its prompt gives alone."""
+    np = pytest.importorskip("numpy")
+    checkpoint = load_checkpoint(str(tiny))
+    prompts = [[5, 9, 14, 3, 7], [8, 2]]
+    alone = [graphopt.generate(checkpoint, np.array([p]), 5, options={"target": "onnxruntime"}).token_ids(0)
+             for p in prompts]
+    ids = np.array([prompts[0], [0, 0, 0] + prompts[1]])
+    mask = np.array([[1] * 5, [0, 0, 0, 1, 1]])
+    out = graphopt.generate(checkpoint, ids, 5, attention_mask=mask, options={"target": "onnxruntime"})
+    assert isinstance(out.sequences, np.ndarray) and out.sequences.shape == (2, 10)
+    assert [out.token_ids(0), out.token_ids(1)] == alone
+
+
+def test_a_warm_cli_run_imports_no_torch(tiny, tmp_path):
+    """The second `graphopt generate MODEL.gguf` opens the kept decoder and decodes it with
+    numpy and onnxruntime alone: importing torch would cost 2.7 s and 170 MB of a warm start."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = ("import json, sys\nfrom graphopt.cli.main import main\nsys.argv = ['graphopt'] + sys.argv[1:]\n"
+              "try:\n    main()\nexcept SystemExit:\n    pass\n"
+              "print(json.dumps({'torch': 'torch' in sys.modules}))\n")
+    env = dict(os.environ)  # the fixture's GRAPHOPT_CACHE_DIR: a fresh cache, so the first run exports
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", script, "generate", str(tiny), "-p", "t1t2", "-n", "3", "--json"],
+                              capture_output=True, text=True, env=env, timeout=600)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.strip().splitlines()
+        runs.append((json.loads("\n".join(lines[:-1])), json.loads(lines[-1])))
+    (first, _), (warm, warm_imports) = runs
+    assert warm["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
+    assert any("loaded the decoder exported by an earlier run" in n for n in warm["notes"])
+    assert warm_imports == {"torch": False}

@@ -2,17 +2,10 @@
 
 On the CPU provider ``OrtRunner`` exports one decoder (``inplace_cache.export_decoder``:
 graphopt's passes, GroupQueryAttention on a shared past/present buffer, dynamic batch and
-sequence axes) and opens one session for it, so the weights are in memory once. Its KV cache
-is one buffer per layer's key and value, [B, Hkv, capacity, D], bound through IOBinding as
-both the past input and the present output (``InPlaceSession``): attention writes each new
-row where it belongs and no step copies the cache. The buffer grows by doubling when a step
-would pass its capacity (``max_length``, when the caller knows it, sizes it once).
-
-Padding: a left-padded batch (``pads`` is True) is re-laid right-padded before the prompt
-pass: row i's tokens at cache rows 0 .. len_i - 1, its rotary positions from 0, its logits
-read at len_i - 1, and GroupQueryAttention's per-row ``seqlens_k`` bounding each row's
-attention in the prompt pass and every step. So the batch decodes as one, in prefill and
-decode, and each row equals its prompt alone.
+sequence axes) and opens one session for it, so the weights are in memory once. Its KV cache,
+bound in place, and the per-row lengths that let a left-padded batch decode as one are the
+run-time side in ``in_place.py`` (numpy only); ``OrtRunner`` hands them torch's tensors as
+numpy views.
 
 Where the in-place decoder does not apply (another provider; a transformers model whose
 mask carries more than causality, e.g. a sliding window: ``hf_steps.mask_kept``; an attention
@@ -43,17 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from graphopt import lazy_weights
+from graphopt.backends.onnxruntime.decoder.in_place import InPlaceBatch, InPlaceSession, decoder_session
 from graphopt.backends.onnxruntime.runtime import heap_trim
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
 from graphopt.threads import torch_threads
-
-_ORT_DTYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16, "tensor(bfloat16)": torch.bfloat16}
 
 
 def _export_prompt(input_ids: Tensor) -> Tensor:
@@ -72,93 +63,6 @@ def in_place_problem(model: nn.Module | None, provider: str) -> str | None:
     if model is not None and is_causal_lm(model):
         return mask_kept(model)
     return None
-
-
-class InPlaceSession:
-    """The in-place decoder's session, its KV buffers bound as past input and present output."""
-
-    def __init__(self, session) -> None:
-        self.session = session
-        inputs = {i.name: i for i in session.get_inputs()}
-        self.cache_names = [name for name in inputs if name.startswith("past_")]
-        self.heads = [(inputs[n].shape[1], inputs[n].shape[3]) for n in self.cache_names]
-        self.dtype = _ORT_DTYPES[inputs[self.cache_names[0]].type]
-        vocab = session.get_outputs()[0].shape[-1]
-        self.vocab = vocab if isinstance(vocab, int) else None
-        from graphopt.backends.onnxruntime.decoder.inplace_cache import ROTARY_POSITIONS
-
-        rows = session.get_modelmeta().custom_metadata_map.get(ROTARY_POSITIONS)
-        self.max_positions = int(rows) if rows else None  # GroupQueryAttention's cos/sin cache rows
-        self.cache: list[Tensor] = []
-        self.binding = None
-        self._bound_shape: tuple | None = None
-
-    @property
-    def capacity(self) -> int:
-        return self.cache[0].shape[2] if self.cache else 0
-
-    def reserve(self, batch: int, capacity: int, keep: int = 0) -> None:
-        """Fresh buffers of ``capacity`` rows; the first ``keep`` rows of the old ones copied over."""
-        old = self.cache
-        self.cache = [torch.zeros(batch, h, capacity, d, dtype=self.dtype) for h, d in self.heads]
-        for new, previous in zip(self.cache, old if keep else []):
-            new[:, :, :keep] = previous[:, :, :keep]
-        self._bind()
-
-    def _bind(self) -> None:
-        import onnxruntime
-
-        self.binding = self.session.io_binding()
-        self._bound_shape = None  # a new binding: the feeds are bound again on the next call
-        self._values = [onnxruntime.OrtValue.ortvalue_from_numpy(t.numpy()) for t in self.cache]  # views, no copy
-        for name, value in zip(self.cache_names, self._values):
-            self.binding.bind_ortvalue_input(name, value)
-            self.binding.bind_ortvalue_output("present_" + name.removeprefix("past_"), value)
-
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, last: Tensor, seqlens_k: Tensor,
-                 total: int) -> Tensor:
-        if self.max_positions is not None and total > self.max_positions:
-            raise GraphoptError(f"a sequence of {total} tokens is longer than the {self.max_positions} positions "
-                                "this model's rotary embedding was made for")
-        feeds = self._bound_feeds(*input_ids.shape)
-        for name, value in (("input_ids", input_ids), ("position_ids", position_ids), ("last", last),
-                            ("seqlens_k", seqlens_k)):
-            np.copyto(feeds[name], value.cpu().numpy(), casting="unsafe")
-        feeds["total_sequence_length"][...] = total
-        if self.vocab is None:
-            self.binding.bind_output("logits", "cpu")
-        self.session.run_with_iobinding(self.binding)
-        if self.vocab is None:
-            return torch.from_numpy(self.binding.get_outputs()[0].numpy())
-        return self._logits.clone()  # the buffer is the next call's output
-
-    def _bound_feeds(self, batch: int, length: int) -> dict:
-        """Input buffers of this shape (and the logits'), bound once until the shape or the
-        binding changes: each step then writes its few numbers into them instead of binding
-        five new inputs and an output (llama-small INT4, steps in lockstep: 7.21 -> 7.08 ms)."""
-        import onnxruntime
-
-        if self._bound_shape == (batch, length):
-            return self._feeds
-        self._feeds = {"input_ids": np.zeros((batch, length), np.int64),
-                       "position_ids": np.zeros((batch, length), np.int64), "last": np.zeros(batch, np.int64),
-                       "seqlens_k": np.zeros(batch, np.int32), "total_sequence_length": np.zeros((), np.int32)}
-        self._feed_values = [onnxruntime.OrtValue.ortvalue_from_numpy(a) for a in self._feeds.values()]  # views
-        for name, value in zip(self._feeds, self._feed_values):
-            self.binding.bind_ortvalue_input(name, value)
-        if self.vocab is not None:
-            self._logits = torch.empty(batch, self.vocab, dtype=self.dtype)
-            self._feed_values.append(onnxruntime.OrtValue.ortvalue_from_numpy(self._logits.numpy()))
-            self.binding.bind_ortvalue_output("logits", self._feed_values[-1])
-        self._bound_shape = (batch, length)
-        return self._feeds
-
-
-def right_padded(input_ids: Tensor, lengths: Tensor) -> Tensor:
-    """Each row of a left-padded batch moved to the front (its padding rotated to the end)."""
-    width = input_ids.shape[1]
-    index = (torch.arange(width, device=input_ids.device) + (width - lengths)[:, None]) % width
-    return input_ids.gather(1, index)
 
 
 class OrtRunner:
@@ -183,7 +87,7 @@ class OrtRunner:
         self.decoder: InPlaceSession | None = None
         self.prefill_run = self.decode_run = None
         self.past: list[Tensor] = []
-        self.lengths: Tensor | None = None
+        self.batch: InPlaceBatch | None = None  # the in-place decoder's batch, from its prompt pass on
 
     @classmethod
     def from_models(cls, prefill: Any, decode: Any, provider: str = "cpu") -> "OrtRunner":
@@ -198,7 +102,7 @@ class OrtRunner:
     def from_decoder(cls, decoder: Any, max_length: int | None = None) -> "OrtRunner":
         """A runner on an in-place decoder exported already (a path, bytes or an OnnxModel)."""
         runner = cls(None, Options.parse(None), max_length)
-        runner.decoder = InPlaceSession(_decoder_session(decoder))
+        runner.decoder = InPlaceSession(decoder_session(decoder))
         return runner
 
     def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
@@ -232,7 +136,7 @@ class OrtRunner:
         if kept is not None:
             try:
                 with timer("session"):
-                    self.decoder = InPlaceSession(_decoder_session(str(kept)))
+                    self.decoder = InPlaceSession(decoder_session(str(kept)))
                 self.export_result = tool.ExportResult([], timer.seconds, [], [])
                 self.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
                 return
@@ -250,7 +154,7 @@ class OrtRunner:
             self._open_written(model, key, timer)
         else:
             with timer("session"):
-                self.decoder = InPlaceSession(_decoder_session(model))
+                self.decoder = InPlaceSession(decoder_session(model))
             if key:
                 with timer("cache store"):
                     self.notes.append(decoder_cache.store(key, model)[1])
@@ -274,7 +178,7 @@ class OrtRunner:
         del model
         heap_trim.release_free_heap()  # the export's objects are gone: hand their memory back before the session takes its own
         with timer("session"):
-            self.decoder = InPlaceSession(_decoder_session(str(path)))
+            self.decoder = InPlaceSession(decoder_session(str(path)))
 
     def _export_pair(self, input_ids: Tensor) -> None:
         from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache
@@ -299,15 +203,9 @@ class OrtRunner:
                 raise GraphoptError("this ONNX Runtime decoder takes no attention mask; pass prompts of one length")
             logits, *self.past = self.prefill_run(input_ids)
             return logits[:, -1]
-        batch, width = input_ids.shape
-        full = torch.full((batch,), width, dtype=torch.long)
-        lengths = full if attention_mask is None else attention_mask.long().sum(-1).cpu()
-        ids = input_ids.cpu() if attention_mask is None else right_padded(input_ids.cpu(), lengths)
-        capacity = self.max_length or _round_up(width + 128, 64)
-        self.decoder.reserve(batch, max(capacity, width))
-        logits = self.decoder(ids, torch.arange(width).repeat(batch, 1), lengths - 1, lengths - 1, width)
-        self.lengths = lengths
-        return logits.to(input_ids.device)
+        self.batch = InPlaceBatch(self.decoder, self.max_length)
+        mask = attention_mask.cpu().numpy() if attention_mask is not None else None
+        return torch.from_numpy(self.batch.prefill(input_ids.cpu().numpy(), mask)).to(input_ids.device)
 
     def prepare_step(self, token: Tensor, position: int) -> None:
         pass
@@ -316,26 +214,7 @@ class OrtRunner:
         if self.decoder is None:
             logits, *self.past = self.decode_run(token, *self.past)
             return logits[:, -1]
-        lengths = self.lengths
-        total = int(lengths.max()) + 1
-        if total > self.decoder.capacity:  # amortized: the buffer doubles, one copy per doubling
-            self.decoder.reserve(token.shape[0], max(2 * self.decoder.capacity, total), keep=total - 1)
-        logits = self.decoder(token.cpu(), lengths[:, None], torch.zeros_like(lengths), lengths, total)
-        self.lengths = lengths + 1
-        return logits.to(token.device)
-
-
-def _decoder_session(source: Any):
-    """The in-place decoder's session: no arena (the cache lives in torch's buffers, and an
-    arena would keep the largest prompt's activations for the session's life), and workers
-    that spin between ops (module docstring)."""
-    from graphopt.backends.onnxruntime.runtime.session import create_session
-
-    return create_session(source, "cpu", arena=False, spin=True)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+        return torch.from_numpy(self.batch.step(token.cpu().numpy())).to(token.device)
 
 
 def _session(model: Any, provider: str):

@@ -25,11 +25,12 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
-from graphopt import lazy_weights
 from graphopt.cache_root import cache_root, evict_lru, package_version, tensor_bytes, write_entry
+
+if TYPE_CHECKING:
+    from torch import nn
 
 KEEP_BYTES = 4 << 30
 FORMAT = 1  # bump when an entry's layout changes
@@ -63,6 +64,10 @@ def _code_fingerprint() -> str:
 
 def decoder_key(model: nn.Module, options: dict) -> str:
     """The cache key of ``model``'s decoder under ``options`` (a parsed Options' ``to_dict()``)."""
+    import torch
+
+    from graphopt import lazy_weights
+
     h = hashlib.blake2b(digest_size=20)
     h.update(f"format={FORMAT};code={_code_fingerprint()};".encode())
     h.update(f"{type(model).__module__}.{type(model).__qualname__};".encode())

@@ -7,55 +7,63 @@ weights read from the checkpoint one tensor at a time; everything it allocated g
 exits, and the session then opens on the written file in a process that holds little else.
 For Qwen2.5-0.5B that is the difference between the export's leftovers (~180 MB) plus the
 session and the session alone.
+
+The parent imports no torch (the child does, after the fork): the runner is
+``in_place.ArrayRunner``, on numpy arrays.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from graphopt.config import Options
-from graphopt.errors import GraphoptError
+from graphopt.errors import GraphoptError, TargetUnavailable
+from graphopt.memory import MemoryNeeded
 
 
 def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
-    """An OrtRunner whose decoder is ``checkpoint``'s, from the cache or exported now."""
+    """An ArrayRunner on ``checkpoint``'s decoder, from the cache or exported now."""
     from graphopt.backends.onnxruntime.decoder import decoder_cache
-    from graphopt.backends.onnxruntime.decoder.decoder import InPlaceSession, OrtRunner, _decoder_session
+    from graphopt.backends.onnxruntime.decoder.in_place import ArrayRunner, decoder_session
     from graphopt.forked import ForkedError, run_forked
 
-    runner = OrtRunner(None, config, max_length)
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise TargetUnavailable("target onnxruntime needs onnxruntime: pip install onnxruntime")
+    if config.provider != "cpu":
+        raise TargetUnavailable(f"the in-place decoder runs on the CPU provider only, not {config.provider}")
+    notes: list[str] = []
+    scratch = None
     start = time.perf_counter()
     options = config.to_dict()  # the pipeline it implies (--int4's pass) is the child's to build
     key = decoder_cache.checkpoint_key(checkpoint.identity, options) if decoder_cache.cache_dir() else None
     kept = decoder_cache.lookup(key) if key else None
     stages: dict[str, float] = {}
+    reports: list = []
     if kept is None:
-        checkpoint.check_memory()  # one line now, not the OOM killer halfway through the export
-        scratch = None
         if key is None:
-            runner._scratch = scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
+            scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
         try:
             made = run_forked(_export, checkpoint, options, key, scratch.name if scratch else None)
         except ForkedError as error:
+            if error.kind == MemoryNeeded.__name__:  # the child checked before building: its line is the user's
+                raise MemoryNeeded(str(error)) from None
             raise GraphoptError(f"exporting the decoder of {checkpoint.name} failed ({error.kind}: {error})") from None
         kept, stages = Path(made["path"]), made["stages"]
-        runner.notes += made["notes"]
-        runner.reports, fallbacks = made["records"], made["fallbacks"]
+        notes += made["notes"] + [f"export: {f['where']}: {f['reason']}" for f in made["fallbacks"]]
+        reports = made["records"]
     else:
-        fallbacks = []
         _check_kept_fits(kept, checkpoint.name)
-        runner.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
+        notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
     opened = time.perf_counter()
-    runner.decoder = InPlaceSession(_decoder_session(str(kept)))
+    # Nothing of the exporter is imported here (onnx, onnxscript: 50 MB on a warm start), nor torch.
+    runner = ArrayRunner(decoder_session(str(kept)), max_length)
     stages["session"] = time.perf_counter() - opened
-    # Nothing of the exporter is imported here (onnx, onnxscript: 50 MB on a warm start).
     runner.compile_s, runner.compile_stages = time.perf_counter() - start, dict(stages)
-    runner.compiles = runner.prefill_compiles = 1  # one model serves every step (dynamic axes)
-    runner.notes += [f"export: {f['where']}: {f['reason']}" for f in fallbacks]
+    runner.notes, runner.reports = notes, reports
+    runner._scratch = scratch  # the written decoder's folder lives as long as the runner
     return runner
 
 
@@ -70,6 +78,9 @@ def _check_kept_fits(kept: Path, name: str) -> None:
 
 def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> dict:
     """In the child: build, export and write the decoder; what the parent needs to report it."""
+    checkpoint.check_memory()  # one line now, not the OOM killer halfway through the export
+    import torch
+
     from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.decoder import decoder_cache
     from graphopt.backends.onnxruntime.decoder.decoder import _export_prompt

@@ -5,7 +5,7 @@ The model (``export_decoder``) takes ``input_ids`` [batch, sequence], ``position
 [batch] int32, ``total_sequence_length`` (int32 scalar) and ``past_key_i`` /
 ``past_value_i`` [batch, Hkv, max_length, D]; it returns ``logits`` [batch, vocab] and
 ``present_key_i`` / ``present_value_i`` of the past's shape. Bound to the same memory
-through IOBinding (``decoder.InPlaceSession``), past and present are one buffer: ONNX
+through IOBinding (``in_place.InPlaceSession``), past and present are one buffer: ONNX
 Runtime's CPU GroupQueryAttention then writes the new rows at each row's own offset
 (``seqlens_k``) and copies nothing else (it zero-fills and copies the whole past only when
 the two differ). The same graph serves the prompt (sequence = total_sequence_length: GQA's
@@ -29,7 +29,7 @@ Rotary: after the layout tidy-up, each layer's q/k RotaryEmbeddings move into it
 GroupQueryAttention (``rotary_fold.fold_rotary_into_attention``: do_rotary with cos/sin
 caches of the model's ``max_position_embeddings`` rows, read at ``position_ids``), which also
 takes the fused QKV projection packed. The caches end there, so the model records their
-length (metadata ``graphopt.rotary_positions``) and ``decoder.InPlaceSession`` refuses a
+length (metadata ``graphopt.rotary_positions``) and ``in_place.InPlaceSession`` refuses a
 longer sequence instead of reading past them.
 """
 
@@ -41,13 +41,13 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from graphopt.backends.onnxruntime.decoder.in_place import ROTARY_POSITIONS
 from graphopt.backends.onnxruntime.onnx_passes import attention_layout, rotary_fold
 from graphopt.errors import GraphoptError
 
 MS_DOMAIN = "com.microsoft"
-# Metadata key: the rows of the cos/sin caches GroupQueryAttention rotates with, when it does;
-# the decoder refuses a sequence longer than that (decoder.InPlaceSession).
-ROTARY_POSITIONS = "graphopt.rotary_positions"
+# ROTARY_POSITIONS, a metadata key: the rows of the cos/sin caches GroupQueryAttention rotates
+# with, when it does; the decoder refuses a sequence longer than that (in_place.InPlaceSession).
 
 
 class DecoderStep(nn.Module):
@@ -221,7 +221,7 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
     from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.lower.export import export_graph
     from graphopt.compiler import run_pipeline
-    from graphopt.frontend import export_aten_graph
+    from graphopt.frontend.trace import export_aten_graph
 
     timer = timer or tool.Timer(None)
     step = DecoderStep(model)
@@ -230,7 +230,7 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
     last = torch.arange(batch) % length  # any in-range rows: values do not shape the graph
     sequence = {0: "batch", 1: "sequence"}
     axes = [sequence, sequence, {0: "batch"}]
-    with timer("torch.export"):  # a decoder's layers repeat: traced once (graphopt/repeated_layers.py)
+    with timer("torch.export"):  # a decoder's layers repeat: traced once (graphopt/frontend/repeated_layers.py)
         program = export_aten_graph(step, (prompt, positions, last), dynamic_shapes=tuple(tool.dims_for(axes)),
                                     trace_repeated_once=True)
     layers = (len(program.gm.graph.output_node().args[0]) - 1) // 2  # logits, then a key and a value per layer

@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt.backends.onnxruntime.runtime.session import NUMPY_DTYPES
+from graphopt.backends.onnxruntime.runtime.session import numpy_holds
 from graphopt.backends.onnxruntime.lower.signatures import SizePlan
 
 
@@ -84,7 +84,7 @@ class BoundOutputs:
             if not isinstance(val, torch.Tensor):
                 specs.append(None)
                 continue
-            if val.dtype not in NUMPY_DTYPES or val.device.type != "cpu":
+            if not numpy_holds(val.dtype) or val.device.type != "cpu":
                 return None
             sizes = [_size_function(s, symbols) for s in val.shape]
             if any(f is None for f in sizes):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from graphopt.backends.onnxruntime.errors import ProviderUnavailable
+if TYPE_CHECKING:
+    import torch
 from graphopt.backends.onnxruntime.runtime.weights_in_memory import serialize_sharing_weights
 
 # provider option value -> (ORT execution provider, the package that ships it)
@@ -30,8 +30,13 @@ PROVIDERS: dict[str, tuple[str, str]] = {
     "migraphx": ("MIGraphXExecutionProvider", "onnxruntime-migraphx"),
     "tensorrt": ("TensorrtExecutionProvider", "onnxruntime-gpu"),
 }
-NUMPY_DTYPES = {torch.float32, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-                torch.uint8, torch.bool, torch.int16}
+# Torch dtypes that numpy holds as they are (SessionRunner hands those over as numpy views);
+# by name, so that opening a session imports no torch.
+NUMPY_DTYPE_NAMES = ("float32", "float16", "float64", "int64", "int32", "int8", "uint8", "bool", "int16")
+
+
+def numpy_holds(dtype: "torch.dtype") -> bool:
+    return str(dtype).removeprefix("torch.") in NUMPY_DTYPE_NAMES
 
 
 def provider_problem(provider: str) -> str | None:
@@ -125,7 +130,7 @@ class SessionRunner:
     write straight into preallocated torch tensors; None to let ORT allocate.
     """
 
-    def __init__(self, session, output_specs: Sequence[tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
+    def __init__(self, session, output_specs: Sequence[tuple[tuple[int, ...], "torch.dtype"]] | None = None) -> None:
         self.session = session
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
@@ -133,6 +138,8 @@ class SessionRunner:
         self.cpu_only = session.get_providers()[0] == "CPUExecutionProvider"
 
     def __call__(self, *tensors: torch.Tensor, run_options: Any = None) -> list[torch.Tensor]:
+        import torch
+
         if len(tensors) != len(self.input_names):
             raise ValueError(f"the ONNX model takes {len(self.input_names)} inputs, got {len(tensors)}")
         tensors = tuple(t.contiguous() for t in tensors)
@@ -143,7 +150,7 @@ class SessionRunner:
 
     @staticmethod
     def takes_numpy(tensors: Sequence[torch.Tensor]) -> bool:
-        return all(t.device.type == "cpu" and t.dtype in NUMPY_DTYPES for t in tensors)
+        return all(t.device.type == "cpu" and numpy_holds(t.dtype) for t in tensors)
 
     def run_into(self, tensors: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor],
                  run_options: Any = None) -> list[torch.Tensor]:
@@ -159,6 +166,7 @@ class SessionRunner:
 
     def _run_bound(self, tensors: Sequence[torch.Tensor], run_options: Any = None) -> list[torch.Tensor]:
         import onnxruntime
+        import torch
         from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
 
         def as_ortvalue(t: torch.Tensor):

@@ -1,14 +1,16 @@
-"""The in-place ORT decoder (backends/onnxruntime/decoder/inplace_cache.py, decoder.InPlaceSession): one
+"""The in-place ORT decoder (backends/onnxruntime/decoder/inplace_cache.py, in_place.InPlaceSession): one
 model whose GroupQueryAttentions read and write one KV buffer per layer, bound as past and
 present; per-row lengths for padded batches. One export of llama-tiny serves every test."""
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("onnxruntime")
 
 from graphopt import models  # noqa: E402
-from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner, right_padded  # noqa: E402
+from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner  # noqa: E402
+from graphopt.backends.onnxruntime.decoder.in_place import right_padded  # noqa: E402
 from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder  # noqa: E402
 from graphopt.config import Options  # noqa: E402
 from graphopt.generation import Sampler, drive, eager_generate  # noqa: E402
@@ -56,14 +58,14 @@ def test_steps_write_the_bound_buffer_in_place_at_each_rows_length(tiny, decoder
     ids, mask = left_padded(PROMPTS)
     lengths = mask.sum(-1)
     runner.prefill(ids, mask)
-    buffers = [t.data_ptr() for t in runner.decoder.cache]
+    buffers = [a.ctypes.data for a in runner.decoder.cache]  # numpy buffers, bound to the session in place
     key = runner.decoder.cache[0]
-    before = key.clone()
+    before = key.copy()
     for step in range(3):
         runner.step(torch.tensor([[3], [4], [5]]), ids.shape[1] + step)
-    assert [t.data_ptr() for t in runner.decoder.cache] == buffers  # the same memory, never replaced
+    assert [a.ctypes.data for a in runner.decoder.cache] == buffers  # the same memory, never replaced
     for row, length in enumerate(lengths.tolist()):
-        changed = (key[row] != before[row]).any(-1).any(0).nonzero().flatten().tolist()
+        changed = np.flatnonzero((key[row] != before[row]).any(-1).any(0)).tolist()
         assert changed == [length, length + 1, length + 2]  # each step wrote its row's next slot only
     assert not key[:, :, 7 + 3:].any()  # past every row's end (prompt width 7, 3 steps) nothing was written
 
@@ -79,8 +81,8 @@ def test_padded_rows_equal_their_prompts_alone_through_a_growing_buffer(tiny, de
 
 
 def test_right_padded_moves_each_row_to_the_front():
-    ids = torch.tensor([[0, 0, 7, 8], [1, 2, 3, 4], [0, 0, 0, 9]])
-    assert right_padded(ids, torch.tensor([2, 4, 1])).tolist() == [[7, 8, 0, 0], [1, 2, 3, 4], [9, 0, 0, 0]]
+    ids = np.array([[0, 0, 7, 8], [1, 2, 3, 4], [0, 0, 0, 9]])
+    assert right_padded(ids, np.array([2, 4, 1])).tolist() == [[7, 8, 0, 0], [1, 2, 3, 4], [9, 0, 0, 0]]
 
 
 def test_an_unpadded_batch_falls_back_to_the_prefill_decode_pair_when_share_cache_refuses(tiny, monkeypatch):
