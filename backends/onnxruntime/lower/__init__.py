@@ -4,6 +4,7 @@
   direct or the traced route, with dynamic axes where the graph's sizes are symbolic.
 - ``direct_export``: the direct route: the exporter's translation step without torch.export's
   two re-traces, when the graph needs none.
+- ``type_promotion``: torch.onnx's cast-inserting pass, reading the fake values the graph carries.
 - ``lowering``: the backend's legalisation: every graphopt op has a translation, and attention
   over a KV cache -> GroupQueryAttention with past.
 - ``schemas``: ONNX Runtime's contrib op schemas registered with onnx, so onnxscript emits them.

@@ -5,8 +5,8 @@
 graph graphopt has compiled is already functional ATen with a fake value on every node, so
 for it both traces reproduce the graph they were given, at about 4 s of llama-small's 5 s
 dynamic export. ``translate`` gives the graph to the exporter's translation step directly
-(the same node-by-node translation, the same type promotion pass) when nothing in it needs
-the traces:
+(the same node-by-node translation, the same type promotion rules, read off the fake values
+the graph carries: ``type_promotion.py``) when nothing in it needs the traces:
 
 - every op has a translation, torch.onnx's or ours: an op the exporter would first
   decompose, or one it has never heard of, needs them;
@@ -92,6 +92,8 @@ def translate(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: boo
     from torch.export import graph_signature as sig
     from torch.onnx._internal.exporter import _core, _fx_passes
 
+    from graphopt.backends.onnxruntime.lower.type_promotion import insert_type_promotion_nodes
+
     reg = registry(table, opset)
     _check(gm, reg, dynamic)
     graph = gm.graph
@@ -117,7 +119,7 @@ def translate(gm: fx.GraphModule, example_inputs: Sequence[Any], *, dynamic: boo
         user_inputs + weight_specs,
         [sig.OutputSpec(sig.OutputKind.USER_OUTPUT, sig.TensorArgument(n.name), None) for n in kept])
     with _no_new_guards(gm):
-        _fx_passes.insert_type_promotion_nodes(gm)
+        insert_type_promotion_nodes(gm)
     gm = _fx_passes.remove_assertion_nodes(gm)
     program = _core._exported_program_to_onnx_program(_Program(gm, signature, weights), registry=reg)
     model = program.model
