@@ -69,13 +69,19 @@ def _kept_gguf_tokenizer(path: Path):
         return None
     if not (folder / "tokenizer.json").is_file():
         try:
-            run_forked(load_tokenizer, str(path))  # converts and keeps it; the child's memory goes with it
+            run_forked(_convert_and_keep, str(path))  # the child's memory goes with it
         except ForkedError as error:
             raise ModelLoadError(f"cannot load the tokenizer of {path} ({error})") from None
     try:
         return SlimTokenizer(folder)
     except (OSError, ValueError, Exception):  # noqa: BLE001  (a damaged folder: transformers' way reads it again)
         return None
+
+
+def _convert_and_keep(spec: str) -> None:
+    """In the child: convert the tokenizer and keep it. Nothing goes back: a tokenizer object
+    sent to the parent would import transformers there to unpickle it (1-2 s)."""
+    load_tokenizer(spec)
 
 
 def _from_gguf(path: Path) -> Any:

@@ -44,3 +44,18 @@ def test_a_damaged_folder_is_read_again(tmp_path, monkeypatch):
     kept.write_text("{ not json")
     tokenizer = load_tokenizer(str(path), slim=True)
     assert tokenizer("t1")["input_ids"] == load_tokenizer(str(path))("t1")["input_ids"]
+
+
+def test_a_first_slim_load_converts_in_a_child_and_imports_no_transformers_here(tmp_path):
+    """The child keeps the converted tokenizer and sends nothing back: a tokenizer object sent
+    to this process would import transformers here to unpickle it."""
+    import subprocess
+    import sys
+
+    path = write_tiny(tmp_path / "tiny.gguf", "qwen2")
+    code = ("import sys; from graphopt.sources.tokenizers import load_tokenizer; "
+            f"t = load_tokenizer({str(path)!r}, slim=True); "
+            "print(type(t).__name__, 'transformers' in sys.modules)")
+    env = {**__import__("os").environ, "GRAPHOPT_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["SlimTokenizer", "False"]
