@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import weakref
 from collections import Counter
 from typing import Any, Iterable
 
@@ -13,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from graphopt.ops import op_name
@@ -79,7 +81,12 @@ def _val(arg: Any) -> Any:
 
 
 def infer_val(node: fx.Node, fake_mode=None) -> None:
-    """Fill ``node.meta["val"]`` by running its target on its inputs' fake values."""
+    """Fill ``node.meta["val"]`` by running its target on its inputs' fake values.
+
+    A call it has made before on the same inputs gives that call's value again
+    (``_InferMemo``): a decoder's layers are alike (stamped copies sharing their fake values:
+    graphopt/frontend/repeated_layers.py), so a pass's new node in layer 23 asks what it
+    asked in layer 1, and running the fake kernel again on symbolic sizes costs ~1 ms."""
     if node.op != "call_function":
         return
     fake_mode = fake_mode or fake_mode_of(node.graph.owning_module)
@@ -87,8 +94,74 @@ def infer_val(node: fx.Node, fake_mode=None) -> None:
     if fake_mode is None:
         node.meta["val"] = node.target(*args, **kwargs)
         return
+    memo = _InferMemo.of(fake_mode)
+    key = memo.key(node.target, args, kwargs)
+    if key is not None and key in memo.vals:
+        node.meta["val"] = memo.vals[key][0]
+        return
     with fake_mode:
         node.meta["val"] = node.target(*args, **kwargs)
+    if key is not None and not free_unbacked_symbols(node.meta["val"]):  # a fresh size each call
+        memo.vals[key] = (node.meta["val"], (args, kwargs))  # the inputs stay alive: ids in the key stay theirs
+
+
+class _InferMemo:
+    """infer_val's calls on one fake mode: (target, its inputs' key) -> the value.
+
+    Only calls whose value follows from their inputs: no op that writes an input, none whose
+    value holds an unbacked size (each call makes a new one). An op that returns no view of
+    an input keys a fake tensor input by its metadata (dtype, device, sizes and strides as
+    expressions), so the same call on each layer's own weight hits; an op that may return a
+    view (and ``getitem``) keys it by identity, so a value aliases only what it aliased when
+    it was made. Other arguments key by type and value (``2`` and ``2.0`` differ)."""
+
+    _by_mode: "weakref.WeakKeyDictionary[Any, _InferMemo]" = weakref.WeakKeyDictionary()
+
+    def __init__(self) -> None:
+        self.vals: dict[tuple, tuple[Any, Any]] = {}
+
+    @classmethod
+    def of(cls, fake_mode) -> "_InferMemo":
+        memo = cls._by_mode.get(fake_mode)
+        if memo is None:
+            memo = cls._by_mode[fake_mode] = cls()
+        return memo
+
+    def key(self, target: Any, args: tuple, kwargs: dict) -> tuple | None:
+        if isinstance(target, torch._ops.OpOverload):
+            schema = target._schema
+            if schema.is_mutable:
+                return None
+            by_meta = all(r.alias_info is None for r in schema.returns)
+        elif target is operator.getitem:
+            by_meta = False
+        else:
+            return None  # a Python function may read more than its arguments
+        try:
+            return (target, _arg_key(args, by_meta), _arg_key(tuple(sorted(kwargs.items())), by_meta))
+        except TypeError:  # an argument with no stable key
+            return None
+
+
+def _arg_key(value: Any, by_meta: bool) -> Any:
+    if isinstance(value, FakeTensor) and by_meta:
+        if value.constant is not None:
+            raise TypeError("a fake tensor with a known value")  # the value may flow into the result
+        return ("meta", value.dtype, value.device, value.layout, value.requires_grad,
+                _size_key(value.shape), _size_key(value.stride()), _size_key(value.storage_offset()))
+    if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("id", id(value))
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_arg_key(v, by_meta) for v in value))
+    hash(value)  # TypeError for a value that cannot be a key
+    return (type(value), value)
+
+
+def _size_key(sizes: Any) -> Any:
+    """Sizes as expressions: two SymInts of one expression are one size."""
+    if isinstance(sizes, (tuple, list, torch.Size)):
+        return tuple(_size_key(s) for s in sizes)
+    return sizes.node._expr if isinstance(sizes, torch.SymInt) else sizes
 
 
 def get_constant(node: Any) -> torch.Tensor | None:
