@@ -23,8 +23,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.ops import op_name
-from graphopt.ops.decompose import reference_of
+from graphopt.ops import op_name, reference_of
 from graphopt.ops.moe import moe_sparse
 from graphopt.ops.moe_int4 import int4_moe_sparse
 

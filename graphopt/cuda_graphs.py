@@ -17,15 +17,40 @@ replay overwrites the graph's output buffers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import Tensor
 
-from graphopt.passes.cuda_graphs import REGION, plan_of
-from graphopt.passes.static_kv_cache import StaticCacheSpec
+from graphopt.ops.kv_cache import StaticCacheSpec
+
+# The plan passes/cuda_graphs.py leaves on a graph for this runtime: each captured node's
+# region index, and the CapturePlan on the graph.
+REGION = "graphopt_cuda_graph"  # node meta: the region index of a captured op
+PLAN = "graphopt_cuda_graph_plan"  # graph meta: the CapturePlan
+
+
+@dataclass
+class CapturePlan:
+    """Where capture applies: region i is the list of node names marked ``REGION == i``."""
+
+    device: str | None  # "cuda:0" (HIP builds say cuda too), or None when the graph has no GPU tensor
+    regions: list[list[str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
+    note: str = ""
+
+    def summary(self) -> str:
+        if not self.regions:
+            return f"no CUDA graph captured: {self.note or 'no capturable op'}"
+        return (f"{len(self.regions)} CUDA graph region(s), {sum(map(len, self.regions))} ops on {self.device}; "
+                f"{len(self.skipped)} ops run eagerly")
+
+
+def plan_of(gm: fx.GraphModule) -> CapturePlan | None:
+    """The plan passes/cuda_graphs.py left on ``gm``, or None when it did not run."""
+    return getattr(gm, "meta", {}).get(PLAN)
 
 
 class TorchGraphs:

@@ -34,25 +34,51 @@ def fork_available() -> bool:
 
 def run_forked(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` in a forked child (in this process where fork is not available)."""
-    if not fork_available():
-        return fn(*args)
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(send, fn, args), daemon=True)
-    child.start()
-    send.close()
-    try:
-        ok, payload = receive.recv()
-    except EOFError:  # the child died without a word (killed, out of memory)
-        child.join()
-        raise ForkedError("ChildDied", f"the child process exited with code {child.exitcode} before answering") \
-            from None
-    finally:
-        receive.close()
-    child.join()
-    if ok:
-        return payload
-    raise ForkedError(*payload)
+    return start_forked(fn, *args).result()
+
+
+class Forked:
+    """A child started by ``start_forked``; ``result()`` waits for its answer."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self._fn, self._args, self._child, self._receive = fn, args, None, None
+        if not fork_available():
+            return  # runs in this process, when its result is asked for
+        context = multiprocessing.get_context("fork")
+        self._receive, send = context.Pipe(duplex=False)
+        self._child = context.Process(target=_child, args=(send, fn, args), daemon=True)
+        self._child.start()
+        send.close()
+
+    def result(self) -> Any:
+        if self._child is None:
+            return self._fn(*self._args)
+        try:
+            ok, payload = self._receive.recv()
+        except EOFError:  # the child died without a word (killed, out of memory)
+            self._child.join()
+            raise ForkedError("ChildDied", f"the child process exited with code {self._child.exitcode} before "
+                              "answering") from None
+        finally:
+            self._receive.close()
+        self._child.join()
+        if ok:
+            return payload
+        raise ForkedError(*payload)
+
+    def cancel(self) -> None:
+        """Stop the child, whose answer nobody will read."""
+        if self._child is not None and self._child.is_alive():
+            self._child.terminate()
+            self._child.join()
+        if self._receive is not None:
+            self._receive.close()
+
+
+def start_forked(fn: Callable[..., Any], *args: Any) -> Forked:
+    """``fn(*args)`` started in a forked child now, so that this process can do other work
+    (another child's) on another core meanwhile; ``.result()`` waits for it."""
+    return Forked(fn, args)
 
 
 def _child(send, fn: Callable[..., Any], args: tuple) -> None:

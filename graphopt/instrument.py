@@ -1,4 +1,4 @@
-"""PassManager instrumentation: printing IR, numeric checks, failure reproducers.
+"""PassManager instrumentation: printing IR, numeric checks, kept changes.
 
 These are MLIR's pass-instrumentation switches on FX graphs. They run around passes
 and never inside them; the debug CLI and the backend's options turn them on.
@@ -117,35 +117,3 @@ class KeepChanges(Instrument):
     def after_pass(self, p, before, after, record: PassRecord, ctx) -> None:
         if record.status == "changed":
             self.changes.append((p.name, before, after))
-
-
-class WriteReproducer(Instrument):
-    """On the first pass that fails (raises, or breaks verification), write its input
-    graph, the inputs and the pipeline to ``directory`` (see graphopt.debug.reproducer).
-
-    A reproducer that cannot be written leaves the pipeline alone: the reason is kept in
-    ``error`` for the caller to show."""
-
-    def __init__(self, directory: str, pipeline: str, inputs: Sequence[Any] | None,
-                 origin: dict | None = None):
-        self.directory, self.pipeline, self.inputs, self.origin = directory, pipeline, inputs, origin
-        self.written: dict | None = None  # {"dir", "pass", "error"} once written
-        self.error: str | None = None
-        self._input: fx.GraphModule | None = None
-
-    def before_pass(self, p, gm, ctx) -> None:
-        self._input = gm  # passes run on a copy, so this stays the failing pass's input
-
-    def after_failure(self, p, gm, error, record, ctx) -> None:
-        if self.written is not None or self.error is not None or self._input is None:
-            return  # later failures may only be echoes of the first
-        from graphopt.debug.reproducer import write_reproducer
-
-        try:
-            path = write_reproducer(self.directory, self._input, self.inputs, pass_name=p.name,
-                                    error=record.error or repr(error), pipeline=self.pipeline,
-                                    pass_options=ctx.config.pass_options, origin=self.origin)
-        except Exception as failure:  # noqa: BLE001  (a debugging aid must not break the pipeline it watches)
-            self.error = f"{type(failure).__name__}: {failure}"
-            return
-        self.written = {"dir": str(path), "pass": p.name, "error": record.error}

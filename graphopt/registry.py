@@ -23,6 +23,8 @@ from typing import Iterator, Mapping
 from graphopt.errors import OptionsError
 from graphopt.pass_manager import Pass
 
+# Where graphopt's own passes live: one module per pass, found when a pass is first asked for.
+PASS_PACKAGE = "graphopt.passes"
 _passes: dict[str, Pass] = {}
 _discovered = False
 
@@ -32,8 +34,8 @@ def _registry() -> dict[str, Pass]:
     loads every pass module, which only the first pipeline needs to pay for)."""
     global _discovered
     if not _discovered:
-        import graphopt.passes as package
-
+        # By name, like TARGETS below: the core finds the pass modules, it does not depend on them.
+        package = importlib.import_module(PASS_PACKAGE)
         found: dict[str, Pass] = {}
         for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
             if info.name.startswith("_"):
@@ -41,7 +43,7 @@ def _registry() -> dict[str, Pass]:
             module = importlib.import_module(f"{package.__name__}.{info.name}")
             obj = getattr(module, info.name, None)
             if obj is None:
-                raise ImportError(f"graphopt.passes.{info.name} must export a pass object named {info.name}")
+                raise ImportError(f"{PASS_PACKAGE}.{info.name} must export a pass object named {info.name}")
             found[obj.name] = obj
         # Passes registered before discovery (a plugin imported early) win over nothing: keep them.
         _passes.update({name: p for name, p in found.items() if name not in _passes})

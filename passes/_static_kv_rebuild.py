@@ -23,10 +23,8 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from graphopt import ir
-from graphopt.ops.kv_cache import cache_shape
-from graphopt.passes.static_kv_cache import (
-    CACHE_INPUT, SPEC_KEY, CacheInput, CacheMatch, Options, StaticCacheSpec,
-)
+from graphopt.ops.kv_cache import SPEC_KEY, CacheInput, StaticCacheSpec, cache_shape
+from graphopt.passes._static_kv_types import CACHE_INPUT, CacheMatch, Options
 from graphopt.rewrite import BATCHED_MATMUL_OPS, SIZE_ASSERT_OPS, SIZE_OPS, NoMatch, expect, is_op, val
 
 aten = torch.ops.aten

@@ -34,12 +34,11 @@ import torch
 import torch.fx as fx
 
 from graphopt import ir
+from graphopt.cuda_graphs import PLAN, REGION, CapturePlan, plan_of
 from graphopt.pass_manager import NearMiss, PassContext, PassResult
 
 aten = torch.ops.aten
-REGION = "graphopt_cuda_graph"  # node meta: the region index of a captured op
 SKIPPED = "graphopt_cuda_graph_skip"  # node meta: why an op runs eagerly
-PLAN = "graphopt_cuda_graph_plan"  # graph meta: the CapturePlan
 WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 HOST_SYNC = {
@@ -66,22 +65,6 @@ class Options:
     def __post_init__(self) -> None:
         if not isinstance(self.min_region_ops, int) or self.min_region_ops < 1:
             raise ValueError(f"min_region_ops must be an int >= 1, got {self.min_region_ops!r}")
-
-
-@dataclass
-class CapturePlan:
-    """Where capture applies: region i is the list of node names marked ``REGION == i``."""
-
-    device: str | None  # "cuda:0" (HIP builds say cuda too), or None when the graph has no GPU tensor
-    regions: list[list[str]] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (node, reason)
-    note: str = ""
-
-    def summary(self) -> str:
-        if not self.regions:
-            return f"no CUDA graph captured: {self.note or 'no capturable op'}"
-        return (f"{len(self.regions)} CUDA graph region(s), {sum(map(len, self.regions))} ops on {self.device}; "
-                f"{len(self.skipped)} ops run eagerly")
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -236,10 +219,6 @@ class CudaGraphs:
         for n in run:
             n.meta[REGION] = index
         plan.regions.append([n.name for n in run])
-
-
-def plan_of(gm: fx.GraphModule) -> CapturePlan | None:
-    return getattr(gm, "meta", {}).get(PLAN)
 
 
 cuda_graphs = CudaGraphs()

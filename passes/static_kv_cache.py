@@ -21,7 +21,7 @@ this is the one pass allowed to introduce in-place mutation):
 - each past input [B, H, S_past, D] becomes a static cache input in ``layout`` (int8
   plus a scales input with ``kv_dtype="int8"``); ``cache_position`` (0-d int64 = S_past)
   and, for ``paged``, ``block_table`` are appended; the spec lands in
-  ``gm.meta["graphopt_static_kv_cache"]`` (:class:`StaticCacheSpec`);
+  ``gm.meta["graphopt_static_kv_cache"]`` (``graphopt.ops.kv_cache.StaticCacheSpec``);
 - the concatenated caches leave the outputs (the caller owns the buffers; no output aliases them);
 - every use of the past length is re-expressed: as a size it is the key length, which becomes
   ``max_length``; as a value (HF's cache_position, a causal mask's query offset) it becomes ``pos``.
@@ -41,87 +41,19 @@ equal to the key length or a value added to a tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.ops.kv_cache import LAYOUTS
+from graphopt.ops.kv_cache import SPEC_KEY
 from graphopt.pass_manager import NearMiss, PassContext, PassResult
+from graphopt.passes._static_kv_rebuild import rebuild
+from graphopt.passes._static_kv_types import CacheMatch, Options
 from graphopt.rewrite import (
     BATCHED_MATMUL_OPS, SCORE_OPS, SDPA_OPS, SOFTMAX_OPS, TRANSPARENT_OPS, NoMatch, expect, is_op, val,
 )
 
 aten = torch.ops.aten
-SPEC_KEY = "graphopt_static_kv_cache"
-CACHE_INPUT = "graphopt_kv_cache"  # meta key on the cache placeholders: their layer slot
-KV_DTYPES = ("auto", "int8")
-
-
-
-@dataclass
-class Options:
-    max_length: int = field(default=0, metadata={
-        "help": "positions the static cache holds; 0 leaves the graph alone (graphopt.generate sets it)"})
-    layout: str = field(default="bhsd", metadata={"help": "cache layout: bhsd | bshd | paged"})
-    block_size: int = field(default=16, metadata={"help": "positions per block of the paged layout"})
-    kv_dtype: str = field(default="auto", metadata={
-        "help": "auto (the model's dtype) | int8 (per-token, per-head scales)"})
-
-    def __post_init__(self) -> None:
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} is not one of {', '.join(LAYOUTS)}")
-        if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype {self.kv_dtype!r} is not one of {', '.join(KV_DTYPES)}")
-        if self.max_length < 0 or self.block_size < 1:
-            raise ValueError(f"max_length ({self.max_length}) must be >= 0 and block_size ({self.block_size}) >= 1")
-
-    def effective_length(self) -> int:
-        """Positions the buffers really hold: paged rounds up to whole blocks."""
-        if self.layout != "paged":
-            return self.max_length
-        return -(-self.max_length // self.block_size) * self.block_size
-
-
-@dataclass
-class CacheInput:
-    """One static cache input of the rewritten graph (one layer's K or V)."""
-
-    source: str  # the past input it replaces
-    index: int  # its position among the rewritten graph's inputs
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    scales_index: int | None = None  # int8: the position of its scales input
-    scales_shape: tuple[int, ...] | None = None
-
-
-@dataclass
-class StaticCacheSpec:
-    """The rewritten graph's interface, for whoever allocates the buffers and drives the steps."""
-
-    layout: str
-    max_length: int  # positions held per sequence (paged: whole blocks)
-    block_size: int
-    kv_dtype: str
-    new_len: int  # S_new: tokens each call appends
-    batch: int
-    device: torch.device
-    caches: list[CacheInput] = field(default_factory=list)
-    pos_index: int = -1
-    block_table_index: int | None = None
-    block_table_shape: tuple[int, ...] | None = None
-    dropped_outputs: list[int] = field(default_factory=list)  # indices of the old outputs removed
-
-
-@dataclass
-class CacheMatch:
-    cat: fx.Node
-    past: fx.Node  # the placeholder
-    new: fx.Node
-    chain: list[fx.Node]  # nodes between the placeholder and the cat (HF's lazy-init cat)
-    attentions: list[fx.Node]  # SDPA / graphopt.attention ops reading it as k or v
-    softmaxes: list[fx.Node] = field(default_factory=list)  # explicit form: softmax of q @ k^T
 
 
 def _is_empty_constant(node: fx.Node) -> bool:
@@ -288,8 +220,6 @@ class StaticKVCache:
             stop = matches[allowed.index(False)].cat.name
             return PassResult(gm, modified=False, stats={"matches": 0}, near_misses=[
                 NearMiss(self.name, stop, stop, "bisect limit reached (the rewrite is all or nothing)")])
-        from graphopt.passes._static_kv_rebuild import rebuild  # the graph surgery, kept apart for size
-
         try:
             new_gm = rebuild(gm, matches, options, self.name)
         except NoMatch as miss:
@@ -302,10 +232,5 @@ class StaticKVCache:
         return PassResult(new_gm, modified=True, stats=stats)
 
 
-def spec_of(gm: fx.GraphModule) -> StaticCacheSpec | None:
-    """The interface static_kv_cache gave ``gm``, or None when it did not rewrite it."""
-    return getattr(gm, "meta", {}).get(SPEC_KEY)
-
-
 static_kv_cache = StaticKVCache()
-__all__ = ["static_kv_cache", "StaticCacheSpec", "CacheInput", "spec_of", "SPEC_KEY"]
+__all__ = ["static_kv_cache"]

@@ -59,6 +59,8 @@ def generate(
     Example: graphopt generate model.gguf -p "The capital of France is" -n 32 --tp 2 --target eager
     """
     import graphopt
+    from graphopt.config import Options
+    from graphopt.generation.checkpoint import start_checkpoint
     from graphopt.generation.sampling import StopConditions
     from graphopt.sources import load_checkpoint
     from graphopt.sources.tokenizers import load_tokenizer
@@ -69,11 +71,13 @@ def generate(
         raise GraphoptError(f"--tp must be at least 1 (the number of tensor-parallel ranks), got {tp}")
     config = parse_options(option, target=target, **({"int4": True} if int4 else {}))
     with step(f"loading {model}", json_out):
-        tokenizer = load_tokenizer(model, slim=not chat)  # a chat template needs transformers' renderer
-        texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
         # A .gguf on its own weights is a Checkpoint: the decoder an earlier run kept for it opens
         # without building the model, or importing torch; --tp shards a module, so it builds one.
         checkpoint = None if dequantize or tp > 1 else load_checkpoint(model)
+        if checkpoint is not None:  # a first run exports the decoder in a child while the tokenizer converts
+            start_checkpoint(checkpoint, Options.parse(config.to_dict()))
+        tokenizer = load_tokenizer(model, slim=not chat)  # a chat template needs transformers' renderer
+        texts = [_chat(tokenizer, model, p) for p in prompt] if chat else list(prompt)
         loaded = None if checkpoint is not None else _load_causal_lm(model, dequantize)
     # numpy ids for a checkpoint: its decoder runs without torch (graphopt.generation.checkpoint)
     encoded = tokenizer(texts, return_tensors="np" if checkpoint is not None else "pt", padding=True,

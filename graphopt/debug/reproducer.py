@@ -30,6 +30,7 @@ import torch.fx as fx
 from graphopt import ir
 from graphopt.debug.graph_source import graph_to_source, load_graph
 from graphopt.errors import GraphoptError
+from graphopt.pass_manager import Instrument
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -101,6 +102,37 @@ def write_reproducer(directory: str | Path, gm: fx.GraphModule, inputs: Sequence
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str) + "\n")
     (out / "replay.py").write_text(_REPLAY_PY.format(dir=out))
     return out
+
+
+class WriteReproducer(Instrument):
+    """On the first pass that fails (raises, or breaks verification), write its input
+    graph, the inputs and the pipeline to ``directory`` (``write_reproducer``): an
+    instrument for ``graphopt debug --reproducer``.
+
+    A reproducer that cannot be written leaves the pipeline alone: the reason is kept in
+    ``error`` for the caller to show."""
+
+    def __init__(self, directory: str, pipeline: str, inputs: Sequence[Any] | None,
+                 origin: dict | None = None):
+        self.directory, self.pipeline, self.inputs, self.origin = directory, pipeline, inputs, origin
+        self.written: dict | None = None  # {"dir", "pass", "error"} once written
+        self.error: str | None = None
+        self._input: fx.GraphModule | None = None
+
+    def before_pass(self, p, gm, ctx) -> None:
+        self._input = gm  # passes run on a copy, so this stays the failing pass's input
+
+    def after_failure(self, p, gm, error, record, ctx) -> None:
+        if self.written is not None or self.error is not None or self._input is None:
+            return  # later failures may only be echoes of the first
+        try:
+            path = write_reproducer(self.directory, self._input, self.inputs, pass_name=p.name,
+                                    error=record.error or repr(error), pipeline=self.pipeline,
+                                    pass_options=ctx.config.pass_options, origin=self.origin)
+        except Exception as failure:  # noqa: BLE001  (a debugging aid must not break the pipeline it watches)
+            self.error = f"{type(failure).__name__}: {failure}"
+            return
+        self.written = {"dir": str(path), "pass": p.name, "error": record.error}
 
 
 def _storable(tensor: torch.Tensor) -> torch.Tensor:

@@ -232,8 +232,6 @@ def check_module(module: torch.nn.Module, inputs: Sequence[Any], target: str, pi
     more = [(label, xs, r or reference(module, xs)) for label, xs, r in more]
     more = [(label, xs, r) for label, xs, r in more if r.problem is None]
     if more:
-        from graphopt.fuzz.shapes import mark_dynamic
-
         mark_dynamic(tuple(inputs), tuple(more[0][1]))
     options: dict[str, Any] = {"target": target}
     if pipeline:
@@ -271,3 +269,14 @@ def check_module(module: torch.nn.Module, inputs: Sequence[Any], target: str, pi
         if status != "ok":  # a later shape's mismatch outranks an earlier shape's routing tie
             outcome.status, outcome.detail = status, f"at {label}: {detail}" if label else detail
     return outcome
+
+
+def mark_dynamic(inputs: tuple[Any, ...], other: tuple[Any, ...]) -> None:
+    """Tell dynamo which input axes will change, so its first compile keeps them symbolic
+    (``maybe_``: a graph that must specialize one may, and then recompiles, which the
+    fuzzer counts)."""
+    for x, y in zip(inputs, other):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim():
+            for dim, (a, b) in enumerate(zip(x.shape, y.shape)):
+                if a != b:
+                    torch._dynamo.maybe_mark_dynamic(x, dim)

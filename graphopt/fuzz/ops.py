@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from graphopt.fuzz.case import Step, Value
-from graphopt.fuzz.generate import MAX_MAG, Gen, OpKind
+from graphopt.fuzz.kind import MAX_MAG, Gen, OpKind
 
 WIDTHS = (16, 32, 8, 48, 64)
 

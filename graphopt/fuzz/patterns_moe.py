@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from graphopt.fuzz.case import Expectation, Step, Value
-from graphopt.fuzz.generate import Gen, OpKind
+from graphopt.fuzz.kind import Gen, OpKind
 
 # perturbation -> a substring of fuse_moe's near miss
 MOE_PERTURB = {

@@ -11,7 +11,7 @@ must not fire, and must say why in a near miss. ``Step.p["perturb"]`` names whic
 from __future__ import annotations
 
 from graphopt.fuzz.case import Expectation, Step, Value
-from graphopt.fuzz.generate import Gen, OpKind
+from graphopt.fuzz.kind import Gen, OpKind
 
 RMS_SPELLINGS = ("pow_mean", "hf_upcast", "mul_mean", "gemma", "no_weight")
 EPS = (1e-6, 1e-5, 1e-3)

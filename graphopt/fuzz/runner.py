@@ -177,6 +177,11 @@ def check_case(case: Case, targets: Sequence[str], pipeline: Sequence[str] | Non
     return outcomes
 
 
+def _checker(target: str, pipeline: Sequence[str] | None) -> Callable[[Case], Outcome]:
+    """``check_case`` on one target, as ``shrink`` calls it for each candidate."""
+    return lambda candidate: check_case(candidate, [target], pipeline)[0]
+
+
 def run_fuzz(graphs: int, seed: int, targets: Sequence[str] | None = None, out_dir: str | Path | None = None,
              settings: Settings = Settings(), pipeline: Sequence[str] | None = None, shrink_budget: int = 40,
              on_graph: Callable[[int, Summary], None] | None = None) -> Summary:
@@ -199,7 +204,7 @@ def run_fuzz(graphs: int, seed: int, targets: Sequence[str] | None = None, out_d
         _tally(summary, case, outcomes)
         for outcome in outcomes:
             if outcome.failed:
-                small, small_outcome, _ = shrink(case, outcome, pipeline, shrink_budget)
+                small, small_outcome, _ = shrink(case, outcome, _checker(outcome.target, pipeline), shrink_budget)
                 folder = write_reproducer(small, outcome.target, pipeline, out_dir, small_outcome) if out_dir else None
                 summary.failures.append(Failure(index, outcome.target, outcome.status, small_outcome.detail,
                                                 small.describe(), len(case.steps), len(small.steps),

@@ -86,13 +86,3 @@ def second_shape(case: Case, module: torch.nn.Module) -> tuple[Shape | None, str
         tried.append(f"{axis}: {ref.problem}")
     return None, "; ".join(tried) or "no batch or sequence axis"
 
-
-def mark_dynamic(inputs: tuple[Any, ...], other: tuple[Any, ...]) -> None:
-    """Tell dynamo which input axes will change, so its first compile keeps them symbolic
-    (``maybe_``: a graph that must specialize one may, and then recompiles, which the
-    fuzzer counts)."""
-    for x, y in zip(inputs, other):
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dim() == y.dim():
-            for dim, (a, b) in enumerate(zip(x.shape, y.shape)):
-                if a != b:
-                    torch._dynamo.maybe_mark_dynamic(x, dim)

@@ -9,26 +9,26 @@ costs one compile, so ``budget`` caps them.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable
 
 from graphopt.fuzz.case import Case
 from graphopt.fuzz.check import Outcome
 
 
-def still_fails(case: Case, failure: Outcome, pipeline: Sequence[str] | None) -> Outcome | None:
+def still_fails(case: Case, failure: Outcome, check: Callable[[Case], Outcome]) -> Outcome | None:
     """The candidate's outcome when it fails like ``failure``, else None."""
-    from graphopt.fuzz.runner import check_case
-
     try:
-        (outcome,) = check_case(case, [failure.target], pipeline)
+        outcome = check(case)
     except Exception:  # a candidate the generator's own code cannot build is no reproducer
         return None
     return outcome if outcome.status == failure.status else None
 
 
-def shrink(case: Case, failure: Outcome, pipeline: Sequence[str] | None,
+def shrink(case: Case, failure: Outcome, check: Callable[[Case], Outcome],
            budget: int = 40) -> tuple[Case, Outcome, int]:
-    """The smallest case found that still fails like ``failure``, its outcome, the compiles spent."""
+    """The smallest case found that still fails like ``failure``, its outcome, the compiles
+    spent. ``check(candidate)`` compiles and runs a candidate on ``failure``'s target (the
+    runner's ``check_case``, passed in: the runner calls this module, not the reverse)."""
     best, best_outcome, tries = case, failure, 0
 
     def attempt(candidate: Case) -> bool:
@@ -36,7 +36,7 @@ def shrink(case: Case, failure: Outcome, pipeline: Sequence[str] | None,
         if tries >= budget or not candidate.steps or not candidate.outputs:
             return False
         tries += 1
-        outcome = still_fails(candidate, failure, pipeline)
+        outcome = still_fails(candidate, failure, check)
         if outcome is not None:
             best, best_outcome = candidate, outcome
             return True

@@ -56,6 +56,19 @@ def served_target(config: Options) -> str | None:
     return name if name in CHECKPOINT_RUNNERS else None
 
 
+def start_checkpoint(checkpoint: Checkpoint, config: Options) -> None:
+    """Let the target's file runner begin what it will need (the onnxruntime decoder's export,
+    in a child) while the caller does other work; ``decode_checkpoint`` with the same config
+    takes it up. Does nothing for a target without a file runner or a ``start_export``."""
+    name = served_target(config)
+    if name is None:
+        return
+    module = importlib.import_module(CHECKPOINT_RUNNERS[name].split(":")[0])
+    start = getattr(module, "start_export", None)
+    if start is not None:
+        start(checkpoint, config.replace(target=name))
+
+
 def decode_checkpoint(checkpoint: Checkpoint, input_ids: Any, max_new_tokens: int, *, attention_mask: Any = None,
                       sampling: dict | None = None, stop: StopConditions | None = None, max_length: int,
                       config: Options, on_token: TokenCallback | None = None) -> GenerateResult | None:

@@ -27,8 +27,8 @@ from graphopt.config import Options
 from graphopt.errors import GraphoptError
 from graphopt.frontend.trace import export_aten_graph
 from graphopt.generation.runner import positions, step_adapter
+from graphopt.ops.kv_cache import StaticCacheSpec, spec_of
 from graphopt.pass_manager import PassContext, PassManager, PipelineResult
-from graphopt.passes.static_kv_cache import StaticCacheSpec, spec_of
 from graphopt.pipeline import build_pipeline
 from graphopt.registry import get_pass
 from graphopt.report import CompileReport, record

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+
+from graphopt.errors import GraphoptError
 
 NAMESPACE = "graphopt"
 
@@ -26,3 +30,17 @@ def op_name(target: object) -> str | None:
     if name and name.startswith(NAMESPACE + "::"):
         return NAMESPACE + "." + name.split("::", 1)[1]
     return None
+
+
+def reference_of(op: torch._ops.OpOverload) -> Callable:
+    """The plain-torch function a ``graphopt::`` op was defined from.
+
+    torch has no public accessor for a custom op's Python body; this is its one use here.
+    """
+    from torch._library.custom_ops import _maybe_get_opdef
+
+    opdef = _maybe_get_opdef(op)
+    fn = getattr(opdef, "_init_fn", None)
+    if fn is None:
+        raise GraphoptError(f"{op_name(op) or op} has no Python reference to decompose")
+    return fn

@@ -23,25 +23,11 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphopt import ir
 from graphopt.errors import GraphoptError
-from graphopt.ops import op_name
+from graphopt.ops import op_name, reference_of
 
 # Provenance the new nodes inherit from the op they replace; the rest of their meta
 # (val, tensor_meta) is their own.
 _INHERITED_META = ("stack_trace", "nn_module_stack", "source_fn_stack", ir.CREATED_BY)
-
-
-def reference_of(op: torch._ops.OpOverload) -> Callable:
-    """The plain-torch function a ``graphopt::`` op was defined from.
-
-    torch has no public accessor for a custom op's Python body; this is its one use here.
-    """
-    from torch._library.custom_ops import _maybe_get_opdef
-
-    opdef = _maybe_get_opdef(op)
-    fn = getattr(opdef, "_init_fn", None)
-    if fn is None:
-        raise GraphoptError(f"{op_name(op) or op} has no Python reference to decompose")
-    return fn
 
 
 def decompose_graphopt_ops(gm: fx.GraphModule) -> fx.GraphModule:

@@ -29,7 +29,10 @@ are, up to each row's valid length: int8 with its scales, paged through the bloc
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.fx as fx
 from torch import Tensor
 
 from graphopt.ops._library import register
@@ -211,3 +214,43 @@ def cache_shape(layout: str, batch: int, heads: int, max_length: int, head_dim: 
 
 
 register("kv_cache_update")
+
+
+# The interface passes/static_kv_cache.py gives the graph it rewrites, for whoever allocates
+# the buffers and drives the steps (graphopt.generation.static, graphopt.cuda_graphs).
+SPEC_KEY = "graphopt_static_kv_cache"  # graph meta: the StaticCacheSpec
+
+
+@dataclass
+class CacheInput:
+    """One static cache input of the rewritten graph (one layer's K or V)."""
+
+    source: str  # the past input it replaces
+    index: int  # its position among the rewritten graph's inputs
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    scales_index: int | None = None  # int8: the position of its scales input
+    scales_shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class StaticCacheSpec:
+    """The rewritten graph's interface, for whoever allocates the buffers and drives the steps."""
+
+    layout: str
+    max_length: int  # positions held per sequence (paged: whole blocks)
+    block_size: int
+    kv_dtype: str
+    new_len: int  # S_new: tokens each call appends
+    batch: int
+    device: torch.device
+    caches: list[CacheInput] = field(default_factory=list)
+    pos_index: int = -1
+    block_table_index: int | None = None
+    block_table_shape: tuple[int, ...] | None = None
+    dropped_outputs: list[int] = field(default_factory=list)  # indices of the old outputs removed
+
+
+def spec_of(gm: fx.GraphModule) -> StaticCacheSpec | None:
+    """The interface static_kv_cache gave ``gm``, or None when it did not rewrite it."""
+    return getattr(gm, "meta", {}).get(SPEC_KEY)

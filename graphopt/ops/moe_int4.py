@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from graphopt.ops import moe as dense
-from graphopt.ops._library import register
+from graphopt.ops._library import reference_of, register
 from graphopt.ops.quant import SYMMETRIC_ZERO, check_format
 
 
@@ -94,8 +94,6 @@ def int4_moe(x: Tensor, router_weight: Tensor, gate_up: Tensor, gate_up_scales: 
                    group_size, k)
     w1 = dequantize_experts(gate_up, gate_up_scales, gate_up_zeros, group_size, x.shape[-1]).to(x.dtype)
     w2 = dequantize_experts(down, down_scales, down_zeros, group_size, inter).to(x.dtype)
-    from graphopt.ops.decompose import reference_of  # not at import: decompose imports this package
-
     # graphopt.moe's reference, not the op: decomposing this op then leaves plain ATen ops
     # (a target that lowers no graphopt op, TensorRT, needs exactly that).
     return reference_of(torch.ops.graphopt.moe.default)(x, router_weight, w1, w2, k, normalize)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from graphopt.quant.groupwise import _one_thread, _round, _round_scale
+from graphopt.quant.rounding import one_thread, round_scale, round_ties_even
 
 # Added to H's diagonal, as a fraction of its mean: keeps H invertible when some input
 # channels are (almost) never active in the calibration text. GPTQ's paper default.
@@ -89,7 +89,7 @@ def gptq(weight: Tensor, h: Tensor, group_size: int, bits: int, scale_dtype: tor
         w, hp, groups_of = w[:, order], hp[order][:, order], groups_of[order]
     # One thread for the factorisations too: on a loaded 2-core machine two threads made the
     # 1536 x 1536 float64 inverse Cholesky 25x slower (31.7 s vs 1.26 s), and it ran per layer.
-    with _one_thread():  # small per-column steps: threads cost more than they give (groupwise.py)
+    with one_thread():  # small per-column steps: threads cost more than they give (rounding.py)
         hinv = _inverse_cholesky(hp).float()
         codes, scales, zeros = _columns(w, hinv, group_size, groups_of, bits, scale_dtype, symmetric, scales, zeros)
     if act_order:
@@ -131,7 +131,7 @@ def _columns(w: Tensor, hinv: Tensor, group_size: int, groups_of: Tensor, bits: 
                 if not static and col % group_size == 0:  # the group lies in this sub-block, fully updated
                     scales[g], zeros[g] = _group_grid(block[i:i + group_size].T, bits, symmetric, scale_dtype)
                 s, z = scales[g], zeros[g]
-                q = (_round(block[i] / s) + z).clamp(0, top)
+                q = (round_ties_even(block[i] / s) + z).clamp(0, top)
                 codes[col] = q.to(torch.uint8)
                 err = (block[i] - (q - z) * s) / hb[i, i]
                 block[i:sub_stop] -= hb[i, i:sub_stop].unsqueeze(1) * err.unsqueeze(0)
@@ -154,10 +154,10 @@ def _group_grid(group: Tensor, bits: int, symmetric: bool, dtype: torch.dtype) -
     the lone negative level (ORT's recipe), asymmetric maps [min, max] (with 0) onto the codes."""
     if symmetric:
         extreme = group.gather(1, group.abs().argmax(dim=1, keepdim=True)).squeeze(1)
-        return _round_scale(extreme / -(2 ** (bits - 1)), dtype), torch.full_like(extreme, 2.0 ** (bits - 1))
+        return round_scale(extreme / -(2 ** (bits - 1)), dtype), torch.full_like(extreme, 2.0 ** (bits - 1))
     lo, hi = group.amin(dim=1).clamp(max=0), group.amax(dim=1).clamp(min=0)
-    scale = _round_scale((hi - lo) / (2 ** bits - 1), dtype)
-    return scale, _round(-lo / scale).clamp(0, 2 ** bits - 1)
+    scale = round_scale((hi - lo) / (2 ** bits - 1), dtype)
+    return scale, round_ties_even(-lo / scale).clamp(0, 2 ** bits - 1)
 
 
 def _inverse_cholesky(h: Tensor) -> Tensor:
@@ -184,7 +184,7 @@ def output_error(weight: Tensor, dequantized: Tensor, h: Tensor) -> float:
     w = weight.detach().float()
     e = dequantized.float()[:, :w.shape[1]] - w
     hf = h.float()
-    with _one_thread():
+    with one_thread():
         num = ((e @ hf) * e).sum(dtype=torch.float64).item()
         den = ((w @ hf) * w).sum(dtype=torch.float64).item()
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))

@@ -37,7 +37,8 @@ import torch
 from torch import Tensor
 
 from graphopt.ops.quant import INT8_ZERO, SYMMETRIC_ZERO, dequantize_int4, dequantize_int8, pack_int4
-from graphopt.threads import torch_threads
+from graphopt.quant.gptq import gptq
+from graphopt.quant.rounding import one_thread, round_scale, round_ties_even
 
 SEARCHES = ("rtn", "mse", "gptq")
 SCALE_DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -94,13 +95,11 @@ def quantize_int4(weight: Tensor, group_size: int = 32, symmetric: bool = True,
     dtype = scale_dtype_of(scale_dtype)
     n, k = weight.shape
     if search == "gptq":
-        from graphopt.quant.gptq import gptq
-
         codes, scales, zeros = gptq(weight, hessian, group_size, 4, dtype, symmetric, tokens, act_order)
         return Int4Weight(pack_int4(codes), scales, pack_int4(zeros) if zeros is not None else None, group_size, k)
     groups = -(-k // group_size)
     rows = max(1, _CHUNK_ELEMENTS // (groups * group_size))
-    with _one_thread():
+    with one_thread():
         parts = [_quantize_rows(weight[r:r + rows], group_size, groups, symmetric, dtype, search)
                  for r in range(0, n, rows)]
     codes = torch.cat([p[0] for p in parts])
@@ -118,15 +117,13 @@ def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch
     dtype = scale_dtype_of(scale_dtype)
     n, k = weight.shape
     if hessian is not None:
-        from graphopt.quant.gptq import gptq
-
         codes, scales, _ = gptq(weight, hessian, group_size, 8, dtype, tokens=tokens, act_order=act_order)
         return Int4Weight(codes, scales, None, group_size, k, bits=8)
     groups = -(-k // group_size)
     w = torch.nn.functional.pad(weight.detach().float(), (0, groups * group_size - k)).view(n, groups, group_size)
     extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-    scales = _round_scale(extreme / -INT8_ZERO, dtype)
-    codes = (_round(w / scales.unsqueeze(-1)) + INT8_ZERO).clamp(0, 255).to(torch.uint8)
+    scales = round_scale(extreme / -INT8_ZERO, dtype)
+    codes = (round_ties_even(w / scales.unsqueeze(-1)) + INT8_ZERO).clamp(0, 255).to(torch.uint8)
     return Int4Weight(codes.reshape(n, -1), scales.to(dtype), None, group_size, k, bits=8)
 
 
@@ -139,13 +136,6 @@ def _check(weight: Tensor, group_size: int, search: str, hessian: Tensor | None)
         raise ValueError(f"group_size must be even and >= 2, got {group_size}")
     if search == "gptq" and hessian is None:
         raise ValueError("search 'gptq' needs the calibration Hessian (hessian=X^T X of the layer's inputs)")
-
-
-def _one_thread():
-    """Run the search on one intra-op thread. Its steps are small elementwise ops on a
-    cache-sized chunk: threading them costs more in synchronisation than it saves, and on
-    a loaded 2-core machine (parallel test workers) two threads made it 10x slower."""
-    return torch_threads(1)
 
 
 def _quantize_rows(w: Tensor, group_size: int, groups: int, symmetric: bool, dtype: torch.dtype,
@@ -180,8 +170,8 @@ def _symmetric_grid(w: Tensor):
     zero = torch.full_like(extreme, float(SYMMETRIC_ZERO))
 
     def candidates(clip: float, dtype: torch.dtype):
-        yield _round_scale(extreme * clip / -SYMMETRIC_ZERO, dtype), zero
-        yield _round_scale(extreme * clip / (15 - SYMMETRIC_ZERO), dtype), zero
+        yield round_scale(extreme * clip / -SYMMETRIC_ZERO, dtype), zero
+        yield round_scale(extreme * clip / (15 - SYMMETRIC_ZERO), dtype), zero
 
     return candidates
 
@@ -191,32 +181,14 @@ def _asymmetric_grid(w: Tensor):
     lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
 
     def candidates(clip: float, dtype: torch.dtype):
-        scale = _round_scale((hi - lo) * clip / 15, dtype)
-        yield scale, _round(-lo * clip / scale).clamp(0, 15)
+        scale = round_scale((hi - lo) * clip / 15, dtype)
+        yield scale, round_ties_even(-lo * clip / scale).clamp(0, 15)
 
     return candidates
 
 
-def _round_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """The scale as it will be stored (rounded to ``dtype``), never 0 (an all-zero group
-    gets scale 1: every code then dequantizes to exactly 0)."""
-    finfo = torch.finfo(dtype)
-    scale = scale.clamp(-finfo.max, finfo.max).to(dtype).float()
-    return torch.where(scale == 0, torch.ones_like(scale), scale)
-
-
-# Adding then subtracting 1.5 * 2**23 rounds a float32 of magnitude < 2**22 to the nearest
-# integer, ties to even, exactly as torch.round does. Two adds instead of torch.round:
-# on a loaded machine torch.round's threaded kernel took milliseconds per small tensor.
-_ROUNDER = 12582912.0
-
-
-def _round(t: Tensor) -> Tensor:
-    return (t.clamp(-_ROUNDER / 4, _ROUNDER / 4) + _ROUNDER) - _ROUNDER
-
-
 def _codes(w: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
-    return _round(w / scale.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, 15)
+    return round_ties_even(w / scale.unsqueeze(-1) + zero.unsqueeze(-1)).clamp(0, 15)
 
 
 def _error(w: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
@@ -239,7 +211,7 @@ def _refit_scale(w: Tensor, best, dtype: torch.dtype) -> Tensor:
     centred = _codes(w, scale, zero) - zero.unsqueeze(-1)
     denom = centred.pow(2).sum(-1)
     fitted = (w * centred).sum(-1) / denom.clamp(min=1e-30)
-    return _round_scale(torch.where(denom > 0, fitted, scale), dtype)
+    return round_scale(torch.where(denom > 0, fitted, scale), dtype)
 
 
 def relative_error(weight: Tensor, q: Int4Weight) -> float:

@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphopt import ir
 from graphopt.backends.eager import DIRECT_OPS, eager
-from graphopt.ops.decompose import reference_of
+from graphopt.ops import reference_of
 from tests.op_cases import OP_CASES, nonzero_random
 
 g = torch.ops.graphopt

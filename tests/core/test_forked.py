@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from graphopt.forked import ForkedError, fork_available, run_forked
+from graphopt.forked import ForkedError, fork_available, run_forked, start_forked
 
 pytestmark = pytest.mark.skipif(not fork_available(), reason="this platform cannot fork")
 
@@ -44,3 +44,18 @@ def test_without_fork_it_runs_here(monkeypatch):
     monkeypatch.setenv("GRAPHOPT_NO_FORK", "1")
     pid, total = run_forked(_pid_and_sum, [4])
     assert pid == os.getpid() and total == 4
+
+
+def test_a_started_child_runs_while_this_process_works_and_answers_later():
+    started = start_forked(_pid_and_sum, [4, 5])
+    here = sum(range(1000))  # this process's own work meanwhile
+    pid, total = started.result()
+    assert (total, here) == (9, 499500) and pid != os.getpid()
+
+
+def test_a_cancelled_child_is_stopped():
+    import time
+
+    started = start_forked(time.sleep, 60)
+    started.cancel()
+    assert not started._child.is_alive()

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 import graphopt.ops.collectives  # noqa: F401  registers graphopt::all_reduce_add_rms_norm
 from graphopt.cli.main import app
-from graphopt.passes.cuda_graphs import plan_of
+from graphopt.cuda_graphs import plan_of
 from tests.helpers import run_pass
 from tests.passes.test_cuda_graphs import Builder
 

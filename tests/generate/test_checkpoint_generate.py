@@ -86,3 +86,35 @@ def test_a_warm_cli_run_imports_no_torch(tiny, tmp_path):
     assert warm["outputs"][0]["token_ids"] == first["outputs"][0]["token_ids"]
     assert any("loaded the decoder exported by an earlier run" in n for n in warm["notes"])
     assert warm_imports == {"torch": False}
+
+
+def test_an_export_started_early_is_taken_up_and_one_for_other_options_is_stopped(tiny, monkeypatch):
+    """graphopt generate starts the decoder's export before it converts the tokenizer
+    (start_checkpoint); generate with the same options waits for that child, not a second one."""
+    import graphopt.forked as forked_module
+    from graphopt.backends.onnxruntime.decoder import from_checkpoint
+    from graphopt.config import Options
+    from graphopt.generation.checkpoint import start_checkpoint
+
+    ids = torch.tensor([[5, 9, 14, 3]])
+    checkpoint = load_checkpoint(str(tiny))
+    start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime", "int4": True}))  # another decoder
+    start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime"}))
+    assert len(from_checkpoint._STARTED) == 2
+    other, _ = from_checkpoint._STARTED[_key(checkpoint, {"target": "onnxruntime", "int4": True})]
+    exported = []
+    real = forked_module.run_forked  # checkpoint_runner imports it from there when it is called
+    monkeypatch.setattr(forked_module, "run_forked", lambda *a: exported.append(1) or real(*a))
+    first = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})
+    assert exported == [] and from_checkpoint._STARTED == {}
+    assert any("kept the exported decoder" in n for n in first.notes)
+    assert not other._child.is_alive()
+    second = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})
+    assert second.token_ids(0) == first.token_ids(0)
+
+
+def _key(checkpoint, options: dict) -> str:
+    from graphopt.backends.onnxruntime.decoder import decoder_cache
+    from graphopt.config import Options
+
+    return decoder_cache.checkpoint_key(checkpoint.identity, Options.parse(options).to_dict())

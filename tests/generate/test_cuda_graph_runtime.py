@@ -8,10 +8,9 @@ import torch.fx as fx
 
 import graphopt
 from graphopt import models
-from graphopt.cuda_graphs import CapturedRegion, SegmentRunner, split_segments, wrap_step
+from graphopt.cuda_graphs import PLAN, REGION, CapturedRegion, CapturePlan, SegmentRunner, split_segments, wrap_step
 from graphopt.generation import eager_generate
-from graphopt.passes.cuda_graphs import PLAN, REGION, CapturePlan
-from graphopt.passes.static_kv_cache import StaticCacheSpec
+from graphopt.ops.kv_cache import StaticCacheSpec
 
 aten = torch.ops.aten
 

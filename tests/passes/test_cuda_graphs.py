@@ -14,8 +14,9 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, Stateles
 from typer.testing import CliRunner
 
 from graphopt import ir, models
+from graphopt.cuda_graphs import REGION, plan_of
 from graphopt.frontend.trace import export_aten_graph
-from graphopt.passes.cuda_graphs import REGION, SKIPPED, plan_of
+from graphopt.passes.cuda_graphs import SKIPPED
 from tests.helpers import run_pass
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphopt
 from graphopt import ir, models
 from graphopt.generation.runner import ExplicitCacheStep
-from graphopt.passes.static_kv_cache import spec_of
+from graphopt.ops.kv_cache import spec_of
 from tests.helpers import run_pass
 from tests.op_cases import nonzero_random
 from tests.passes.test_static_kv_cache import MAX, PAST, decode_against_eager, export_step

@@ -219,7 +219,7 @@ def test_a_second_run_changes_nothing(case: Case):
 
 def test_cuda_graphs_second_run_keeps_the_same_plan():
     """cuda_graphs plans afresh on every run: the second run marks the same regions again."""
-    from graphopt.passes.cuda_graphs import REGION, plan_of
+    from graphopt.cuda_graphs import REGION, plan_of
 
     first = run_pass("cuda_graphs", _gpu_graph("cuda_graphs"))
     regions, marks = plan_of(first.gm).regions, {n.name: n.meta.get(REGION) for n in first.gm.graph.nodes}

@@ -10,8 +10,7 @@ import graphopt
 from graphopt import ir, models
 from graphopt.frontend.trace import export_aten_graph
 from graphopt.generation.runner import ExplicitCacheStep
-from graphopt.ops.kv_cache import kv_cache_update
-from graphopt.passes.static_kv_cache import spec_of
+from graphopt.ops.kv_cache import kv_cache_update, spec_of
 from tests.helpers import run_pass
 
 MAX = 24

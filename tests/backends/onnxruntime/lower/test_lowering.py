@@ -24,8 +24,8 @@ from graphopt.backends.onnxruntime.target import onnxruntime
 from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.compiler import compile_graph
 from graphopt.config import Options
-from graphopt.ops import op_name
-from graphopt.ops.decompose import decompose_graphopt_ops, reference_of
+from graphopt.ops import op_name, reference_of
+from graphopt.ops.decompose import decompose_graphopt_ops
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
 from tests.op_cases import OP_CASES, nonzero_random
 
