@@ -72,19 +72,46 @@ def _by_rows(layout, blocks: np.ndarray, in_features: int, name: str, after_read
     return out
 
 
+def _records(blocks: np.ndarray, **fields: tuple[str, int]) -> np.ndarray:
+    """The blocks ``[N, B, bytes]`` as ``N * B`` records of ``fields`` (name: (dtype, byte
+    offset)), no copy: a field is one long strided array where a slice of the byte axis has
+    rows of a few bytes, which numpy walks a few bytes at a time."""
+    dtype = np.dtype({"names": list(fields), "formats": [f for f, _ in fields.values()],
+                      "offsets": [at for _, at in fields.values()], "itemsize": blocks.shape[-1]})
+    return np.ascontiguousarray(blocks).reshape(-1).view(dtype)
+
+
 def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     """float32 ``[N, B]`` from the little-endian float16 at byte ``start`` of each block."""
-    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].astype(np.float32)
+    return _records(blocks, d=("<f2", start))["d"].astype(np.float32).reshape(blocks.shape[:-1])
+
+
+NIBBLES = 0x0F0F_0F0F_0F0F_0F0F  # the low nibble of each byte of a uint64
+EACH_BYTE = 0x0101_0101_0101_0101
+# byte x -> a uint64 whose byte k is 16 where bit k of x is set: 8 high bits, in place above 8 nibbles
+_SPREAD = np.array([sum(((x >> k) & 1) << (8 * k + 4) for k in range(8)) for x in range(256)], "<u8")
+
+
+def _q5_codes(blocks: np.ndarray, qh_at: int, qs_at: int, base: int) -> np.ndarray:
+    """uint8 ``[N, B, 32]``: ``base`` + the 5-bit codes of Q5_0 / Q5_1 blocks (nibbles at
+    ``qs_at``, ggml's order; high bits a little-endian uint32 at ``qh_at``, bit j element j),
+    worked out 8 codes to a uint64 (a code and base stay under 256: no byte carries)."""
+    r = _records(blocks, qh=("<u4", qh_at), lo=("<u8", qs_at), hi=("<u8", qs_at + 8))
+    out = np.empty((r.shape[0], 4), "<u8")  # elements 0-7, 8-15 (low nibbles), 16-23, 24-31 (high)
+    lo, hi, qh = r["lo"], r["hi"], r["qh"]
+    np.bitwise_and(lo, NIBBLES, out=out[:, 0])
+    np.bitwise_and(hi, NIBBLES, out=out[:, 1])
+    np.bitwise_and(lo >> 4, NIBBLES, out=out[:, 2])
+    np.bitwise_and(hi >> 4, NIBBLES, out=out[:, 3])
+    for group in range(4):
+        out[:, group] |= _SPREAD[(qh >> 8 * group) & 0xFF]
+    out += base * EACH_BYTE
+    return out.view(np.uint8).reshape(*blocks.shape[:-1], 32)
 
 
 def _split_nibbles(qs: np.ndarray) -> np.ndarray:
     """ggml's 32-element nibble order (byte j: elements j, j + 16) -> one code a value."""
     return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
-
-
-def _high_bits(qh: np.ndarray) -> np.ndarray:
-    """4 bytes (a little-endian uint32) -> bit j of element j, as 0 or 16."""
-    return np.unpackbits(qh, axis=-1, bitorder="little").astype(np.uint8) << 4
 
 
 def _zero_codes(b: np.ndarray, groups: int, bits: int):
@@ -107,11 +134,11 @@ def _q4_1(b, k):
 
 
 def _q5_0(b, k):  # q - 16 == (q + 112) - 128
-    return _legacy(b, k, 8, lambda: (_split_nibbles(b[..., 6:]) | _high_bits(b[..., 2:6])) + 112)
+    return _legacy(b, k, 8, lambda: _q5_codes(b, 2, 6, 112))
 
 
 def _q5_1(b, k):  # q == (q + 128) - 128; the minimum is the offset
-    return _legacy(b, k, 8, lambda: (_split_nibbles(b[..., 8:]) | _high_bits(b[..., 4:8])) + 128, offset=True)
+    return _legacy(b, k, 8, lambda: _q5_codes(b, 4, 8, 128), offset=True)
 
 
 def _q8_0(b, k):  # int8 q + 128, as uint8
