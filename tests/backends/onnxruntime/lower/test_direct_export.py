@@ -210,3 +210,18 @@ def test_an_input_or_a_value_returned_twice_is_copied_like_the_traced_route_copi
         torch.testing.assert_close(got[0], cache)
         torch.testing.assert_close(got[1], x * 2)
         torch.testing.assert_close(got[2], x * 2)
+
+
+def test_the_registry_holds_what_torch_onnx_from_torchlib_holds():
+    from torch.onnx._internal.exporter import _registration
+
+    def entries(registry):
+        return {target: [(m.onnx_function, m.fx_target, m.signature, m.is_custom, m.is_complex) for m in metas]
+                for target, metas in registry.functions.items()}
+
+    for opset in (direct_export.TORCHLIB_OPSET, direct_export.DEFAULT_OPSET):
+        ours = direct_export._from_torchlib(opset)
+        torchs = _registration.ONNXRegistry.from_torchlib(opset_version=opset)
+        assert list(ours.functions) == list(torchs.functions)
+        assert entries(ours) == entries(torchs)
+        assert ours._opset_version == torchs._opset_version == opset
