@@ -57,8 +57,9 @@ def debug(
     # The pipeline's machinery (dynamo, the instruments) loads with the command that runs it:
     # importing it for every command cost `graphopt generate` 1.4 s of a warm start.
     from graphopt.compiler import run_pipeline
+    from graphopt.debug.reproducer import WriteReproducer
     from graphopt.frontend.trace import capture_aten_graphs
-    from graphopt.instrument import KeepChanges, NumericCheck, PrintIR, WriteReproducer
+    from graphopt.instrument import KeepChanges, NumericCheck, PrintIR
 
     from graphopt.registry import get_pass
 
