@@ -74,7 +74,7 @@ def test_runner_refuses_a_sequence_past_the_rotary_cache(tiny, folded):
     runner = OrtRunner.from_decoder(folded[0].to_bytes(), max_length=300)  # a buffer longer than the table
     assert runner.decoder.max_positions == tiny.config.max_seq_len
     runner.prefill(PROMPT, None)
-    runner.lengths = torch.full((2,), tiny.config.max_seq_len)  # as if 256 tokens had been decoded
+    runner.batch.lengths = np.full(2, tiny.config.max_seq_len)  # as if 256 tokens had been decoded
     with pytest.raises(GraphoptError, match="longer than the 256 positions"):
         runner.step(torch.tensor([[1], [2]]), tiny.config.max_seq_len)
 
