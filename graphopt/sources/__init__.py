@@ -13,8 +13,8 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
 - ``gguf_blocks``: llama.cpp's quantized blocks re-laid out as graphopt's block format, value for value.
 - ``gguf_lazy``: a ``.gguf`` file as a transformers model whose weights stay in the file until a
   runtime asks.
-- ``checkpoints``: a model file as a ``Checkpoint`` before anything is built (``load_checkpoint``),
-  and whether decoding it fits in memory; no torch.
+- ``checkpoints``: a model file as a ``Checkpoint`` before anything is built (``load_checkpoint``); no torch.
+- ``gguf_needs``: what reading a ``.gguf`` needs (its packages, the memory it will take); no torch.
 
 The names below load on first use, so that ``load_checkpoint`` and ``tokenizers`` cost no torch.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["LoadedModel", "LogitsOnly", "OutputOnly", "gguf_packages", "load_checkpoint", "load_model"]
 
-_WHERE = {"LoadedModel": "common", "LogitsOnly": "load", "OutputOnly": "hf", "gguf_packages": "checkpoints",
+_WHERE = {"LoadedModel": "common", "LogitsOnly": "load", "OutputOnly": "hf", "gguf_packages": "gguf_needs",
           "load_checkpoint": "checkpoints", "load_model": "load"}
 
 

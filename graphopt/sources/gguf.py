@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from graphopt.errors import ModelLoadError
-from graphopt.sources.checkpoints import check_memory, gguf_packages
+from graphopt.sources.gguf_needs import check_memory, gguf_packages
 from graphopt.sources.common import LoadedModel, first_line
 from graphopt.sources.gguf_cache import load_or_convert, save_dequantized
 from graphopt.sources.gguf_file import GGUFFormatError

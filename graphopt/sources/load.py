@@ -35,7 +35,8 @@ from torch import Tensor, nn
 from graphopt import models
 from graphopt.sources.common import LoadedModel
 from graphopt.sources.factory import from_factory
-from graphopt.sources.checkpoints import gguf_packages, load_checkpoint  # noqa: F401  (re-exported)
+from graphopt.sources.checkpoints import load_checkpoint  # noqa: F401  (re-exported)
+from graphopt.sources.gguf_needs import gguf_packages  # noqa: F401  (re-exported)
 from graphopt.sources.gguf import from_gguf
 from graphopt.sources.hf import PICKLE_SUFFIXES, OutputOnly, hf_model, pickle_refusal, read_config
 from graphopt.errors import ModelLoadError

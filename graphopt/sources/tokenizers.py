@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from graphopt.errors import ModelLoadError
-from graphopt.sources.checkpoints import gguf_packages
+from graphopt.sources.gguf_needs import gguf_packages
 from graphopt.sources.common import first_line
 from graphopt.sources.gguf_cache import load_or_convert
 

@@ -32,9 +32,6 @@ ALLOWED_IMPORTS = {
     ("graphopt.sources.hf", "graphopt.backends.onnxruntime.decoder.hf_steps"),
 }
 ALLOWED_CYCLES = {
-    # gguf imports check_memory / gguf_packages from checkpoints, whose build() imports
-    # from_gguf: the torch-free checks want a module of their own that both import.
-    frozenset({"graphopt.sources.checkpoints", "graphopt.sources.gguf"}),
     # generate.greedy_generate_ort drives decoder.OrtRunner while decoder exports through
     # generate: the greedy loop belongs with the runner, leaving generate export-only.
     frozenset({"graphopt.backends.onnxruntime.decoder.decoder", "graphopt.backends.onnxruntime.decoder.generate"}),

@@ -9,7 +9,7 @@ import pytest
 
 LIGHT = [
     "graphopt", "graphopt.cli.main", "graphopt.config", "graphopt.targets", "graphopt.memory",
-    "graphopt.sources", "graphopt.sources.checkpoints", "graphopt.sources.tokenizers",
+    "graphopt.sources", "graphopt.sources.checkpoints", "graphopt.sources.gguf_needs", "graphopt.sources.tokenizers",
     "graphopt.sources.slim_tokenizer", "graphopt.generation", "graphopt.generation.api",
     "graphopt.generation.checkpoint", "graphopt.generation.loop", "graphopt.generation.sampling",
     "graphopt.backends.onnxruntime.decoder.from_checkpoint", "graphopt.backends.onnxruntime.decoder.in_place",

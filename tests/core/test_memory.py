@@ -8,7 +8,7 @@ import graphopt
 from graphopt import memory
 from graphopt.memory import MemoryNeeded
 from graphopt.sources import load_checkpoint, load_model
-from graphopt.sources.checkpoints import needed_bytes
+from graphopt.sources.gguf_needs import needed_bytes
 from tests.models.gguf_helpers import T, write_tiny
 
 
