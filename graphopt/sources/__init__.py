@@ -14,6 +14,8 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
 - ``gguf_lazy``: a ``.gguf`` file as a transformers model whose weights stay in the file until a
   runtime asks.
 - ``checkpoints``: a model file as a ``Checkpoint`` before anything is built (``load_checkpoint``); no torch.
+- ``transformers_attention``: transformers' sdpa attention traced without a mask where eager runs
+  none (``mask_kept``, ``unmasked_sdpa``), for exports of any target.
 - ``gguf_needs``: what reading a ``.gguf`` needs (its packages, the memory it will take); no torch.
 
 The names below load on first use, so that ``load_checkpoint`` and ``tokenizers`` cost no torch.

@@ -38,12 +38,12 @@ class OutputOnly(nn.Module):
 
     def _export_context(self, attention_mask: Tensor | None):
         """While torch.export traces a causal LM without a padding mask: transformers' sdpa
-        attention with no mask, causal, as eager runs it (hf_steps explains why); otherwise
+        attention with no mask, causal, as eager runs it (transformers_attention explains why); otherwise
         nothing. The exported attention then lowers to GroupQueryAttention, not an MHA
         with a materialized causal mask."""
         if not (self.causal and attention_mask is None and torch.compiler.is_exporting()):
             return contextlib.nullcontext()
-        from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept, unmasked_sdpa
+        from graphopt.sources.transformers_attention import mask_kept, unmasked_sdpa
 
         return contextlib.nullcontext() if mask_kept(self.model) else unmasked_sdpa(self.model)
 

@@ -52,7 +52,7 @@ QWEN2_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
     ("mistral", {"sliding_window": None}, None),
 ])
 def test_mask_is_kept_only_for_a_window_some_layer_uses(model_type, fields, kept):
-    from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept
+    from graphopt.sources.transformers_attention import mask_kept
 
     reason = mask_kept(tiny(model_type, **fields))
     assert reason is None if kept is None else kept in reason
@@ -73,7 +73,7 @@ FALCON_ALIBI = dict(num_key_value_heads=4, multi_query=False, new_decoder_archit
 def test_alibi_keeps_the_mask():
     """Falcon-RW adds its ALiBi bias into the mask (and reads the mask's dtype): without the mask
     its forward crashed while exporting, and generate fell back with an AttributeError."""
-    from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept
+    from graphopt.sources.transformers_attention import mask_kept
 
     assert "ALiBi" in mask_kept(tiny("falcon", **FALCON_ALIBI))
     assert mask_kept(tiny("falcon", num_key_value_heads=4, new_decoder_architecture=True)) is None  # rotary Falcon

@@ -8,8 +8,9 @@ run-time side in ``in_place.py`` (numpy only); ``OrtRunner`` hands them torch's 
 numpy views.
 
 Where the in-place decoder does not apply (another provider; a transformers model whose
-mask carries more than causality, e.g. a sliding window: ``hf_steps.mask_kept``; an attention
-that did not become GroupQueryAttention, found at export, for an unpadded batch) the runner
+mask carries more than causality, e.g. a sliding window:
+``graphopt.sources.transformers_attention.mask_kept``; an attention that did not become
+GroupQueryAttention, found at export, for an unpadded batch) the runner
 exports the prefill and decode-step models of ``generate.export_kv_cache`` instead: two
 sessions, the past fed back as numpy each step, no padding (graphopt.generate decodes a
 padded batch as groups of one prompt length).
@@ -55,7 +56,7 @@ def _export_prompt(input_ids: Tensor) -> Tensor:
 
 def in_place_problem(model: nn.Module | None, provider: str) -> str | None:
     """Why ``model`` cannot decode on the in-place decoder here; None when it can."""
-    from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept
+    from graphopt.sources.transformers_attention import mask_kept
     from graphopt.generation.runner import is_causal_lm
 
     if provider != "cpu":

@@ -9,17 +9,8 @@ tensors inside it (its update is the ``cat(past, new, -2)`` the ORT lowering tur
 GroupQueryAttention with past/present), positions counted from the past length, and the
 logits of the last position only (greedy decoding reads nothing else).
 
-The attention mask. Eagerly, transformers' sdpa path passes no mask for a batch without
-padding when the query is one token or the whole sequence, and lets SDPA's ``is_causal``
-do the work. Under torch.export it always builds the mask, because an exported graph keeps
-the ``is_causal`` of the example's query length for every length (pytorch#108108). Each
-graph here has one query length by construction (the prompt with no past; one token), so
-while exporting the step switches the model to a registered copy of the sdpa attention that
-mask creation does not know: the graph gets what eager runs, no mask, causal for the prompt.
-A masked attention would lower to MultiHeadAttention with an attention bias, never to
-GroupQueryAttention with past/present. Models whose mask carries more than causality (a
-sliding window) or whose attention does not dispatch through transformers'
-AttentionInterface keep their masks (``mask_kept`` says why).
+The attention mask: while exporting, the step runs transformers' sdpa attention without a
+mask where that is what eager runs (graphopt/sources/transformers_attention.py says why).
 
 Precondition: no padding; the exported models take no attention_mask. A padded batch
 decodes on ORT's in-place decoder (inplace_cache.py), where GroupQueryAttention's per-row
@@ -29,39 +20,11 @@ lengths, not a mask, keep each row to its own tokens; it uses the same unmasked 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
-# The name of the sdpa copy; mask creation returns None for any name it has no mask for.
-UNMASKED_SDPA = "graphoptunmasked_sdpa"
-
-
-def mask_kept(model: nn.Module) -> str | None:
-    """Why ``model``'s exported attention keeps transformers' mask; None when it can go."""
-    config = model.config.get_text_config(decoder=True)
-    if config._attn_implementation != "sdpa":
-        # eager attention applies causality only through the mask
-        return f"its attention implementation is {config._attn_implementation!r}, not 'sdpa'"
-    if getattr(config, "alibi", False):  # Falcon-RW, MPT: the mask is where the bias is added (and read)
-        return "its ALiBi position bias is part of the mask"
-    if _windowed(config):
-        return f"its sliding window ({config.sliding_window} tokens) is part of the mask"
-    can_dispatch = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_dispatch is None or not can_dispatch():
-        return "its attention does not dispatch through transformers' AttentionInterface"
-    return None
-
-
-def _windowed(config) -> bool:
-    """Whether transformers' mask carries a sliding window. A config that lists ``layer_types``
-    builds a window mask only for its non-full layers: Qwen2-MoE keeps ``sliding_window`` (0)
-    with every layer "full_attention", which is a causal mask and nothing more."""
-    if getattr(config, "sliding_window", None) is None:
-        return False
-    layer_types = getattr(config, "layer_types", None)
-    return layer_types is None or any(kind != "full_attention" for kind in layer_types)
+from graphopt.sources.transformers_attention import mask_kept, unmasked_sdpa
 
 
 class HFCacheStep(nn.Module):
@@ -84,19 +47,3 @@ class HFCacheStep(nn.Module):
         unmasked = torch.compiler.is_exporting() and self.mask_kept is None
         with unmasked_sdpa(self.step.model) if unmasked else contextlib.nullcontext():
             return self.step(input_ids, position_ids, list(past))
-
-
-@contextlib.contextmanager
-def unmasked_sdpa(model: nn.Module) -> Iterator[None]:
-    """``model`` on the sdpa attention without a mask for the block, its own attention after."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    AttentionInterface.register(UNMASKED_SDPA, sdpa_attention_forward)
-    config = model.config.get_text_config(decoder=True)  # what the attention layers and mask creation read
-    saved = config._attn_implementation
-    config._attn_implementation = UNMASKED_SDPA
-    try:
-        yield
-    finally:
-        config._attn_implementation = saved

@@ -57,7 +57,7 @@ class DecoderStep(nn.Module):
     position per row, not the whole prompt."""
 
     def __init__(self, model: nn.Module) -> None:
-        from graphopt.backends.onnxruntime.decoder.hf_steps import mask_kept
+        from graphopt.sources.transformers_attention import mask_kept
         from graphopt.generation.runner import HFCausalStep, step_adapter
 
         super().__init__()
@@ -70,7 +70,7 @@ class DecoderStep(nn.Module):
         self.head = getter() if getter is not None else getattr(model, "lm_head", None)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, last: Tensor) -> tuple[Tensor, ...]:
-        from graphopt.backends.onnxruntime.decoder.hf_steps import unmasked_sdpa
+        from graphopt.sources.transformers_attention import unmasked_sdpa
 
         with _gathered_head(self.head, last):
             unmasked = self.hf and torch.compiler.is_exporting() and self.mask_kept is None
