@@ -6,22 +6,11 @@ import torch
 from torch import nn
 
 from tests.helpers import aten_graph
+from tests.passes.test_fuse_rope import rotate_every_two, rotate_half
 from tests.passes._before_expected import Expected, assert_pass_result
 
 PASS = "fuse_rope"
 g, aten = torch.ops.graphopt, torch.ops.aten
-
-
-def rotate_half(x):
-    """transformers' rotate_half."""
-    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rotate_every_two(x):
-    """GPT-J's interleaved rotation."""
-    x1, x2 = x[:, :, :, ::2], x[:, :, :, 1::2]
-    return torch.stack((-x2, x1), dim=-1).flatten(-2)
 
 
 class ApplyRotary(nn.Module):
