@@ -41,6 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from graphopt import lazy_weights
+from graphopt.backends.onnxruntime.decoder.generate import PairRunner, cache_steps, decode_path, export_kv_cache
 from graphopt.backends.onnxruntime.decoder.in_place import InPlaceBatch, InPlaceSession, decoder_session
 from graphopt.backends.onnxruntime.runtime import heap_trim
 from graphopt.config import Options
@@ -74,8 +75,6 @@ class OrtRunner:
     serves_any_length = True  # dynamic axes: generate's runner cache keeps one per options
 
     def __init__(self, model: nn.Module | None, config: Options | None = None, max_length: int | None = None) -> None:
-        from graphopt.backends.onnxruntime.decoder.generate import cache_steps
-
         if model is not None:
             cache_steps(model, otherwise="use --target eager")  # raises for a model without a cache to export
         self.model, self.config = model, config or Options.parse(None)
@@ -86,8 +85,7 @@ class OrtRunner:
         self.compile_s, self.reports, self.notes = 0.0, [], []
         self.export_result = None
         self.decoder: InPlaceSession | None = None
-        self.prefill_run = self.decode_run = None
-        self.past: list[Tensor] = []
+        self.pair: PairRunner | None = None  # the prefill/decode models, where the in-place decoder does not apply
         self.batch: InPlaceBatch | None = None  # the in-place decoder's batch, from its prompt pass on
 
     @classmethod
@@ -96,7 +94,7 @@ class OrtRunner:
         SessionRunners): ``generate.export_kv_cache``'s pair."""
         runner = cls(None, Options.parse({"provider": provider}))
         runner.pads = False
-        runner.prefill_run, runner.decode_run = _session(prefill, provider), _session(decode, provider)
+        runner.pair = PairRunner(prefill, decode, provider)
         return runner
 
     @classmethod
@@ -107,7 +105,7 @@ class OrtRunner:
         return runner
 
     def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
-        if self.decoder is not None or self.prefill_run is not None:
+        if self.decoder is not None or self.pair is not None:
             return  # exported once: every batch and prompt length runs on the same sessions
         start = time.perf_counter()
         try:
@@ -182,15 +180,12 @@ class OrtRunner:
             self.decoder = InPlaceSession(decoder_session(str(path)))
 
     def _export_pair(self, input_ids: Tensor) -> None:
-        from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache
-
         with tempfile.TemporaryDirectory(prefix="graphopt-generate-") as folder:
             path = Path(folder) / "model.onnx"
             self.export_result = export_kv_cache(self.model, _export_prompt(input_ids), path, config=self.config,
                                                  int4=self.config.int4, validate_model=False)
             # Sessions read the files while they are created; the folder can go afterwards.
-            self.prefill_run = _session(str(path), self.config.provider)
-            self.decode_run = _session(str(decode_path(path)), self.config.provider)
+            self.pair = PairRunner(str(path), str(decode_path(path)), self.config.provider)
         self.notes.append(f"prefill and decode run as two models: {self.in_place_problem}")
 
     def decoding(self):
@@ -200,10 +195,7 @@ class OrtRunner:
 
     def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
         if self.decoder is None:
-            if attention_mask is not None:
-                raise GraphoptError("this ONNX Runtime decoder takes no attention mask; pass prompts of one length")
-            logits, *self.past = self.prefill_run(input_ids)
-            return logits[:, -1]
+            return self.pair.prefill(input_ids, attention_mask)
         self.batch = InPlaceBatch(self.decoder, self.max_length)
         mask = attention_mask.cpu().numpy() if attention_mask is not None else None
         return torch.from_numpy(self.batch.prefill(input_ids.cpu().numpy(), mask)).to(input_ids.device)
@@ -213,12 +205,6 @@ class OrtRunner:
 
     def step(self, token: Tensor, position: int) -> Tensor:
         if self.decoder is None:
-            logits, *self.past = self.decode_run(token, *self.past)
-            return logits[:, -1]
+            return self.pair.step(token, position)
         return torch.from_numpy(self.batch.step(token.cpu().numpy())).to(token.device)
 
-
-def _session(model: Any, provider: str):
-    from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
-
-    return model if isinstance(model, SessionRunner) else SessionRunner(create_session(model, provider))

@@ -150,15 +150,53 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     return tool.ExportResult(files, timer.seconds, records, prefill_result.fallbacks + step_result.fallbacks, extra)
 
 
+class PairRunner:
+    """The prefill and decode models of ``export_kv_cache`` as graphopt.generation's StepRunner:
+    two sessions, the past fed back each step, no padding. ``OrtRunner`` decodes on one where
+    the in-place decoder does not apply; ``greedy_generate_ort`` drives one to validate an export."""
+
+    target = "onnxruntime"
+    cuda_graphs = ""
+    serves_any_length = True
+    pads = False
+
+    def __init__(self, prefill: Any, decode: Any, provider: str = "cpu") -> None:
+        self.prefill_run, self.decode_run = session_runner(prefill, provider), session_runner(decode, provider)
+        self.past: list = []
+        self.compiles = self.prefill_compiles = 0
+        self.compile_s, self.reports = 0.0, []
+
+    def prepare(self, input_ids: Tensor, attention_mask: Tensor | None) -> None:
+        pass
+
+    def prefill(self, input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+        if attention_mask is not None:
+            raise GraphoptError("this ONNX Runtime decoder takes no attention mask; pass prompts of one length")
+        logits, *self.past = self.prefill_run(input_ids)
+        return logits[:, -1]
+
+    def prepare_step(self, token: Tensor, position: int) -> None:
+        pass
+
+    def step(self, token: Tensor, position: int) -> Tensor:
+        logits, *self.past = self.decode_run(token, *self.past)
+        return logits[:, -1]
+
+
+def session_runner(model: Any, provider: str):
+    """A SessionRunner on ``model`` (a path, bytes, an OnnxModel, or a SessionRunner already)."""
+    from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session
+
+    return model if isinstance(model, SessionRunner) else SessionRunner(create_session(model, provider))
+
+
 def greedy_generate_ort(prefill: Any, decode: Any, input_ids: Tensor, max_new_tokens: int,
                         provider: str = "cpu") -> Tensor:
     """Greedy tokens [B, S + max_new_tokens] from the two exported models (paths, bytes,
     OnnxModels or SessionRunners), decoded by graphopt.generation's loop."""
-    from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner
     from graphopt.generation import Sampler, drive
 
-    runner = OrtRunner.from_models(prefill, decode, provider)
-    return drive([runner], input_ids, None, max_new_tokens, [Sampler()])[0].sequences
+    return drive([PairRunner(prefill, decode, provider)], input_ids, None, max_new_tokens, [Sampler()])[0].sequences
 
 
 def greedy_generate_eager(model: nn.Module, input_ids: Tensor, max_new_tokens: int) -> Tensor:
