@@ -11,6 +11,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 import graphopt.ops  # noqa: F401  (registers the graphopt:: ops before any graph uses them)
+from graphopt.compiler import compile_graph
 from graphopt.config import Options
 from graphopt.errors import OptionsError
 from graphopt.frontend.trace import compile_dynamo_graph
@@ -23,4 +24,4 @@ def graphopt_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise OptionsError(f"unexpected torch.compile argument(s) {', '.join(unknown)}; pass graphopt settings in options={{...}}")
     if mode not in (None, "default"):
         raise OptionsError(f"torch.compile mode={mode!r} means nothing to graphopt; use options={{...}} (see graphopt run --help)")
-    return compile_dynamo_graph(gm, example_inputs, Options.parse(options))
+    return compile_dynamo_graph(gm, example_inputs, Options.parse(options), compile_graph)

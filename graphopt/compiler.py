@@ -1,29 +1,42 @@
-"""Compile one ATen graph: run the pass pipeline, lower to a target, record a report.
+"""The compile front half, written once, and the hand-off to a target.
 
-Both frontends (dynamo and torch.export) end here. Failures never reach the user's
-model unless ``fallback="error"``: a failing pass is skipped by the PassManager, a
-target that cannot compile or run the graph hands it to the eager target, and the
-report says what happened and why.
+``front_half``: trace (torch.export, unless dynamo traced already) -> the pipeline at a
+named stage (graphopt.pipeline owns which passes) -> the optimized graph handed to a
+target's callback. torch.compile (``compile_graph``), ``graphopt export`` (graphopt/export),
+the ONNX Runtime decoders and the static-cache step all go through it; the callbacks they
+hand to lower the graph and run no passes.
+
+``compile_graph`` is torch.compile's: its callback lowers on the configured target and
+records a report. Failures never reach the user's model unless ``fallback="error"``: a
+failing pass is skipped by the PassManager, a target that cannot compile or run the graph
+hands it to the eager target, and the report says what happened and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from typing import Any, Callable, Sequence
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Sequence, TypeVar
 
 import torch.fx as fx
 
 from graphopt import ir
 from graphopt.config import Options
 from graphopt.errors import BackendFailed, GraphoptError, TargetUnavailable
+from graphopt.frontend.dynamo_reuse import dynamo_recompile_reason
+from graphopt.frontend.trace import AtenProgram, export_aten_graph
 from graphopt.instrument import NumericCheck
 from graphopt.pass_manager import Instrument, PassContext, PipelineResult
-from graphopt.pipeline import build_pass_manager
+from graphopt.pipeline import build_stage
 from graphopt.report import CompileReport, building_for, record
 from graphopt.targets import get_target, resolve_target
 
 log = logging.getLogger("graphopt")
+R = TypeVar("R")
+StageTimer = Callable[[str], ContextManager[Any]]
 
 # The eager target runs these as their reference: the whole weight dequantized at every call.
 REFERENCE_QUANTIZED_OPS = ("graphopt.int4_linear", "graphopt.int8_linear", "graphopt.int4_moe")
@@ -32,53 +45,93 @@ REFERENCE_QUANTIZED_NOTE = ("quantized weights on the eager target run the refer
                             "target (CPU) and triton (GPU) run INT4 kernels")
 
 
+@dataclass
+class Optimized:
+    """What the front half hands a target: the graph after the pipeline stage, the inputs it
+    was traced on, what the passes did, and the trace (its notes, its frozen weights)."""
+
+    gm: fx.GraphModule
+    example_inputs: list | None
+    result: PipelineResult
+    program: AtenProgram
+
+
+def front_half(source: Any, config: Options, to: Callable[[Optimized], R], *, args: Sequence[Any] = (),
+               stage: str = "default", dynamic_shapes: Any = None, trace_repeated_once: bool = False,
+               timer: StageTimer | None = None) -> R:
+    """Trace ``source`` -> run the pipeline's ``stage`` -> ``to(optimized)``, returning what ``to`` returns.
+
+    ``source``: a module, traced here with torch.export on ``args`` (``dynamic_shapes``,
+    ``trace_repeated_once`` as ``export_aten_graph`` takes them), or an ``AtenProgram`` traced
+    already (dynamo's graph under torch.compile). ``timer(name)`` wraps the "torch.export"
+    and "passes" steps (the export tool times its stages with it).
+    """
+    timer = timer or (lambda name: contextlib.nullcontext())
+    if isinstance(source, AtenProgram):
+        program = source
+    else:
+        with timer("torch.export"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation notices
+            program = export_aten_graph(source, tuple(args), dynamic_shapes=dynamic_shapes,
+                                        trace_repeated_once=trace_repeated_once)
+    inputs = list(program.example_inputs) if program.example_inputs is not None else None
+    with timer("passes"):
+        result, _ = run_pipeline(program.gm, config, inputs, stage=stage)
+    return to(Optimized(result.gm, inputs, result, program))
+
+
 def run_pipeline(gm: fx.GraphModule, config: Options, example_inputs: Sequence[Any] | None,
-                 instruments: Sequence[Instrument] = ()) -> tuple[PipelineResult, PassContext]:
-    """Run the configured pipeline on ``gm`` (a numeric check too when asked)."""
-    instruments = list(instruments)
+                 instruments: Sequence[Instrument] = (), stage: str = "default") -> tuple[PipelineResult, PassContext]:
+    """Run the pipeline's ``stage`` on ``gm`` (a numeric check too when asked); the context
+    returned is the last phase's."""
+    checks = list(instruments)
     if config.check_numerics and example_inputs is not None:
-        instruments.append(NumericCheck(example_inputs, config.tolerance))
-    ctx = PassContext(config, example_inputs)
-    manager = build_pass_manager(config, instruments)
-    return manager.run(gm, ctx), ctx
+        checks.append(NumericCheck(example_inputs, config.tolerance))
+    result, ctx = PipelineResult(gm, [], [], [], []), None
+    for phase in build_stage(config, stage, checks):  # a phase that changes the inputs gets no checks
+        ctx = PassContext(config, example_inputs if phase.replays_inputs else None)
+        step = phase.manager.run(result.gm, ctx)
+        result = PipelineResult(step.gm, result.records + step.records, result.near_misses + step.near_misses,
+                                result.fallbacks + step.fallbacks, result.rewrites + step.rewrites)
+    return result, ctx
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,
                   frontend: str, frozen_weights: int = 0, notes: Sequence[str] = ()) -> Callable:
-    """Optimize and lower ``gm``; returns a callable taking the graph's inputs."""
+    """torch.compile's hand-off: optimize ``gm`` through the front half, lower it on the
+    configured target and record the report; returns a callable taking the graph's inputs."""
     start = time.perf_counter()
     report = CompileReport(target="eager", requested_target=config.target, frontend=frontend,
                            frozen_weights=frozen_weights, nodes_in=ir.node_count(gm), notes=list(notes))
     if frontend == "dynamo" and (reason := dynamo_recompile_reason()):
         report.recompile_reason = reason
         log.info("graphopt: dynamo recompiles a graph because a guard failed: %s", reason)
-    result, _ = run_pipeline(gm, config, example_inputs)
-    report.passes, report.rewrites = result.records, result.rewrites
-    # Screened anchors (every mul that is no gated MLP) are for `graphopt debug --why`, not the report.
-    report.near_misses = [m for m in result.near_misses if not m.screened]
-    report.fallbacks.extend(result.fallbacks)
-    optimized = result.gm
-    report.op_counts = ir.op_counts(optimized)
-    report.nodes_out = ir.node_count(optimized)
-    with building_for(report):  # targets record their exports / sessions / kernels on it
-        compiled = lower(optimized, example_inputs, config, report)
-    if report.target == "eager" and any(report.op_counts.get(op) for op in REFERENCE_QUANTIZED_OPS):
-        report.notes.append(REFERENCE_QUANTIZED_NOTE)
+    traced = AtenProgram(gm, example_inputs, None, frozen_weights, list(notes))
+    compiled = front_half(traced, config, lambda optimized: lower_reported(optimized, config, report))
     report.compile_s = time.perf_counter() - start
     record(report)
     return compiled
 
 
-def dynamo_recompile_reason() -> str | None:
-    """Why dynamo is compiling this frame again (``0/0: tensor 'input_ids' size mismatch at
-    index 1. expected 5, actual 7``), from the compile's metrics; None on a first compile."""
-    try:
-        from torch._dynamo.utils import get_metrics_context
+def lower_reported(optimized: Optimized, config: Options, report: CompileReport) -> Callable:
+    """torch.compile's target callback: what the passes did onto ``report``, then the
+    optimized graph lowered on the configured target."""
+    note_pipeline(report, optimized.result)
+    with building_for(report):  # targets record their exports / sessions / kernels on it
+        compiled = lower(optimized.gm, optimized.example_inputs, config, report)
+    if report.target == "eager" and any(report.op_counts.get(op) for op in REFERENCE_QUANTIZED_OPS):
+        report.notes.append(REFERENCE_QUANTIZED_NOTE)
+    return compiled
 
-        context = get_metrics_context()
-        return context._metrics.get("recompile_reason") if context.in_progress() else None  # noqa: SLF001
-    except Exception:  # a private torch detail: without it the log line is all that is lost
-        return None
+
+def note_pipeline(report: CompileReport, result: PipelineResult) -> None:
+    """What the passes did, onto ``report``: records, rewrites, near misses, fallbacks, the op counts."""
+    report.passes, report.rewrites = result.records, result.rewrites
+    # Screened anchors (every mul that is no gated MLP) are for `graphopt debug --why`, not the report.
+    report.near_misses = [m for m in result.near_misses if not m.screened]
+    report.fallbacks.extend(result.fallbacks)
+    report.op_counts = ir.op_counts(result.gm)
+    report.nodes_out = ir.node_count(result.gm)
 
 
 def lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options,

@@ -35,7 +35,6 @@ import sympy
 import torch
 import torch.fx as fx
 
-from graphopt.compiler import dynamo_recompile_reason
 from graphopt.frontend import graph_instance
 from graphopt.report import CompileReport, record
 
@@ -186,3 +185,15 @@ def _is_symbolic(val: Any) -> bool:
     if isinstance(val, torch.SymInt):
         return not val.node.is_constant()
     return isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in val.shape)
+
+
+def dynamo_recompile_reason() -> str | None:
+    """Why dynamo is compiling this frame again (``0/0: tensor 'input_ids' size mismatch at
+    index 1. expected 5, actual 7``), from the compile's metrics; None on a first compile."""
+    try:
+        from torch._dynamo.utils import get_metrics_context
+
+        context = get_metrics_context()
+        return context._metrics.get("recompile_reason") if context.in_progress() else None  # noqa: SLF001
+    except Exception:  # a private torch detail: without it the log line is all that is lost
+        return None

@@ -34,7 +34,6 @@ from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphopt import ir
-from graphopt.compiler import compile_graph
 from graphopt.config import Options
 from graphopt.errors import BackendFailed, GraphoptError
 from graphopt.frontend import dynamo_reuse, repeated_layers
@@ -47,9 +46,10 @@ log = logging.getLogger("graphopt")
 
 
 def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], config: Options,
-                         compile_fn: Callable = compile_graph) -> Callable:
+                         compile_fn: Callable) -> Callable:
     """The torch.compile backend body: aot_autograd to ATen, then ``compile_fn``
-    (graphopt's compiler; ``capture_aten_graphs`` passes one that keeps the graph)."""
+    (graphopt.compiler.compile_graph; ``capture_aten_graphs`` passes one that keeps the graph).
+    Passed in, so the frontend does not import the compiler that traces through it."""
     from torch._functorch.aot_autograd import aot_module_simplified
 
     specialize_float_attributes(gm)  # raises dynamo's restart when a float attribute is still an input

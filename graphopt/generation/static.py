@@ -1,10 +1,12 @@
 """The compiled static-cache step runner (targets that run graph nodes in order: eager, triton).
 
-:func:`compile_static_step` exports a step (graphopt.generation.runner's adapters) with a
-dynamic past length, runs the configured fusion pipeline, then ``static_kv_cache`` (which
-turns the cache's cats into in-place updates of caches this module allocates) and
-``cuda_graphs`` (which marks the capturable regions), and lowers the result to the target: a
-graph with identical shapes at every position, so one compilation serves every decode step.
+:func:`compile_static_step` puts a step (graphopt.generation.runner's adapters) through the
+compile front half (graphopt.compiler.front_half) with a dynamic past length, at the
+pipeline's ``static_step`` stage (graphopt.pipeline: the configured fusions, then
+``static_kv_cache``, which turns the cache's cats into in-place updates of caches this module
+allocates, and ``cuda_graphs``, which marks the capturable regions), and lowers the result to
+the target: a graph with identical shapes at every position, so one compilation serves every
+decode step.
 :class:`StaticRunner` drives those graphs over one set of :class:`CacheBuffers`.
 
 The graphs take no attention mask, so a padded batch is decoded in groups of one prompt
@@ -22,15 +24,11 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from graphopt import ir
-from graphopt.compiler import lower, run_pipeline
+from graphopt.compiler import Optimized, front_half, lower, note_pipeline
 from graphopt.config import Options
 from graphopt.errors import GraphoptError
-from graphopt.frontend.trace import export_aten_graph
 from graphopt.generation.runner import positions, step_adapter
 from graphopt.ops.kv_cache import StaticCacheSpec, spec_of
-from graphopt.pass_manager import PassContext, PassManager, PipelineResult
-from graphopt.pipeline import build_pipeline
-from graphopt.registry import get_pass
 from graphopt.report import CompileReport, record
 from graphopt.targets import resolve_target
 
@@ -38,10 +36,6 @@ from graphopt.targets import resolve_target
 # the attention that reads the cache. ONNX Runtime orders by data dependencies only; its
 # runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder/decoder.py).
 IN_PLACE_TARGETS = ("eager", "triton")
-# static_kv_cache makes the cache writes that fuse_rope_kv_cache_update folds rope into;
-# cuda_graphs marks the final ops for capture, so it comes last.
-LAST_PASSES = ("static_kv_cache", "fuse_rope_kv_cache_update", "cuda_graphs")
-OPTIONAL_LAST_PASSES = ("fuse_rope_kv_cache_update", "cuda_graphs")  # without static_kv_cache there is no step
 
 
 @dataclass
@@ -95,43 +89,29 @@ def compile_static_step(adapter: nn.Module, input_ids: Tensor, position_ids: Ten
     Raises GraphoptError when the step cannot get a static cache (the near misses say why).
     """
     start = time.perf_counter()
+    report = CompileReport(target="eager", requested_target=config.target, frontend="export")
+
+    def to_target(optimized: Optimized) -> StaticStep:
+        report.frozen_weights = optimized.program.frozen_weights
+        report.nodes_in = ir.node_count(optimized.program.gm)
+        result = optimized.result
+        spec = spec_of(result.gm)
+        if spec is None:
+            reasons = "; ".join(m.reason for m in result.near_misses if m.pass_name == "static_kv_cache")
+            reasons = reasons or next((f["reason"] for f in result.fallbacks), "static_kv_cache did not fire")
+            raise GraphoptError(f"no static KV cache for {type(adapter).__name__}: {reasons}")
+        note_pipeline(report, result)
+        device = past[0].device if past else input_ids.device
+        examples = _static_example_inputs(spec, input_ids, position_ids, device)
+        fn = lower(result.gm, examples, _in_place_target(config, report), report)
+        return StaticStep(fn, spec, result.gm, report, 0.0)
+
     dynamic = torch.export.Dim.DYNAMIC
-    program = export_aten_graph(adapter, (input_ids, position_ids, past),
-                                dynamic_shapes=(None, None, [{2: dynamic}] * len(past)))
-    gm = program.gm
-    report = CompileReport(target="eager", requested_target=config.target, frontend="export",
-                           frozen_weights=program.frozen_weights, nodes_in=ir.node_count(gm))
-    # The fusion stage: the configured pipeline less the two passes that must run last, below.
-    fusion = [p.name for p in build_pipeline(config.pipeline or None, int4=getattr(config, "int4", False))
-              if p.name not in LAST_PASSES]
-    if fusion:
-        fused, _ = run_pipeline(gm, config.replace(pipeline=fusion), list(program.example_inputs))
-    else:  # an empty pipeline option would mean the default one
-        fused = PipelineResult(gm, [], [], [], [])
-    layout_config = layout_options(config, max_length)
-    # static_kv_cache changes the inputs, so it runs apart from the fusion pipeline (whose
-    # numeric checks replay the exported inputs) and always last: no later pass may move a
-    # cache read across its kv_cache_update. All but static_kv_cache may be disabled:
-    # without it there is no step to decode with.
-    stage = PassManager([get_pass(name) for name in LAST_PASSES], verify=config.verify, fallback=config.fallback,
-                        disabled=[name for name in config.disable_passes if name in OPTIONAL_LAST_PASSES])
-    result = stage.run(fused.gm, PassContext(layout_config))
-    report.passes = fused.records + result.records
-    report.near_misses = fused.near_misses + result.near_misses
-    report.rewrites = fused.rewrites + result.rewrites
-    report.fallbacks.extend(fused.fallbacks + result.fallbacks)
-    spec = spec_of(result.gm)
-    if spec is None:
-        reasons = "; ".join(m.reason for m in result.near_misses if m.pass_name == "static_kv_cache")
-        reasons = reasons or next((f["reason"] for f in result.fallbacks), "static_kv_cache did not fire")
-        raise GraphoptError(f"no static KV cache for {type(adapter).__name__}: {reasons}")
-    report.op_counts, report.nodes_out = ir.op_counts(result.gm), ir.node_count(result.gm)
-    device = past[0].device if past else input_ids.device
-    examples = _static_example_inputs(spec, input_ids, position_ids, device)
-    fn = lower(result.gm, examples, _in_place_target(config, report), report)
-    report.compile_s = time.perf_counter() - start
+    step = front_half(adapter, layout_options(config, max_length), to_target, args=(input_ids, position_ids, past),
+                      stage="static_step", dynamic_shapes=(None, None, [{2: dynamic}] * len(past)))
+    report.compile_s = step.compile_s = time.perf_counter() - start
     record(report)
-    return StaticStep(fn, spec, result.gm, report, report.compile_s)
+    return step
 
 
 class CacheBuffers:
