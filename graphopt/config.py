@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from graphopt.errors import OptionsError
+from graphopt.errors import BackendFailed, OptionsError
+from graphopt.targets import NAMES as TARGET_NAMES
 
-TARGETS = ("auto", "eager", "onnxruntime", "triton", "tensorrt")
+TARGETS = ("auto", *TARGET_NAMES)
 FALLBACKS = ("eager", "error")
 PROVIDERS = ("cpu", "cuda", "rocm", "migraphx", "tensorrt")
 
@@ -112,6 +114,25 @@ def _from_text(name: str, kind: type, text: str) -> Any:
     except ValueError:
         pass
     raise OptionsError(f"graphopt option {name!r} expects a {kind.__name__}, got {text!r}")
+
+
+def fall_back(policy: Options | str, error: BaseException, what: str, instead: str | None, *,
+              reason: str | None = None, raise_as: type[Exception] | None = BackendFailed) -> str:
+    """The fallback policy, written once ("never break the user's model"): under
+    ``fallback="error"`` raise ``raise_as("graphopt {what} failed: {reason}")`` from ``error``
+    (``raise_as=None``: ``error`` itself); otherwise log one warning line, ``graphopt: {what}
+    failed ({reason}); {instead}``, and return the reason for the report. ``instead=None``: the
+    caller reports the fallback itself (a note, or a later warning), so nothing is logged here.
+    ``reason`` defaults to the error's type and first line. Call it from an ``except`` block."""
+    if reason is None:
+        reason = f"{type(error).__name__}: {error}".splitlines()[0]
+    if (policy if isinstance(policy, str) else policy.fallback) == "error":
+        if raise_as is None:
+            raise error
+        raise raise_as(f"graphopt {what} failed: {reason}") from error
+    if instead is not None:
+        logging.getLogger("graphopt").warning("graphopt: %s failed (%s); %s", what, reason, instead)
+    return reason
 
 
 def describe_options() -> list[dict]:

@@ -23,7 +23,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.config import Options
+from graphopt.config import Options, fall_back
 from graphopt.errors import OptionsError, PassFailed
 
 log = logging.getLogger("graphopt")
@@ -236,7 +236,7 @@ class PassManager:
             if self.verify and result.modified:
                 ir.verify_graph(result.gm)
         except Exception as error:  # a broken pass must not break the user's model
-            if not copy_each and self.fallback != "error":
+            if not copy_each:
                 raise _PassBroke() from error  # the graph is half-rewritten: start again with copies
             record.time_ms = (time.perf_counter() - start) * 1e3
             record.status, record.nodes_after = "failed", record.nodes_before
@@ -244,9 +244,7 @@ class PassManager:
             log.debug("pass %s failed:\n%s", p.name, traceback.format_exc())
             for inst in self.instruments:
                 inst.after_failure(p, work, error, record, ctx)
-            if self.fallback == "error":
-                raise PassFailed(f"graphopt pass {p.name} failed: {record.error}") from error
-            log.warning("graphopt: pass %s failed (%s); skipped it", p.name, record.error)
+            fall_back(self.fallback, error, f"pass {p.name}", "skipped it", reason=record.error, raise_as=PassFailed)
             fallbacks.append({"where": f"pass:{p.name}", "reason": record.error})
             return gm
         record.time_ms = (time.perf_counter() - start) * 1e3

@@ -4,8 +4,7 @@ Passes: every module ``graphopt.passes.<name>`` exports one pass object called
 ``<name>`` (file name = pass name, as STYLE.md asks); the registry imports them all the
 first time a pass is asked for. Code outside graphopt adds its own with
 ``graphopt.register_pass(p)``; tests plant passes for one ``with scoped_passes(p):`` block.
-Targets: a fixed table of import paths, imported only when a target is asked for, so
-a missing optional package costs nothing until it is needed.
+Targets are found through graphopt.targets' table.
 
 This module depends on the pass protocol (graphopt.pass_manager) and nothing else of the
 pipeline: graphopt.pipeline reads it, never the reverse.
@@ -34,7 +33,7 @@ def _registry() -> dict[str, Pass]:
     loads every pass module, which only the first pipeline needs to pay for)."""
     global _discovered
     if not _discovered:
-        # By name, like TARGETS below: the core finds the pass modules, it does not depend on them.
+        # By name, like graphopt.targets' table: the core finds the pass modules, it does not depend on them.
         package = importlib.import_module(PASS_PACKAGE)
         found: dict[str, Pass] = {}
         for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
@@ -117,11 +116,3 @@ def scoped_passes(*passes: Pass, remove: tuple[str, ...] = ()) -> Iterator[None]
         _passes.clear()
         _passes.update(saved)
 
-
-# target name -> "module:attribute" of its Target object (see graphopt.targets).
-TARGETS = {
-    "eager": "graphopt.backends.eager:eager",
-    "onnxruntime": "graphopt.backends.onnxruntime.target:onnxruntime",
-    "triton": "graphopt.backends.triton.target:triton",
-    "tensorrt": "graphopt.backends.tensorrt.target:tensorrt",
-}

@@ -1,8 +1,17 @@
-"""Targets: where an optimized graph runs. The protocol, hardware detection, ``auto``.
+"""Targets: where an optimized graph runs. The table, the protocol, hardware detection, ``auto``.
+
+``TABLE`` is the one list of targets: each entry names where its Target object lives, what
+``graphopt.generate`` decodes with on it, whether it runs a graph's nodes in order, where
+``auto`` picks it and whether the fuzzer tries it. Every other list of targets derives from it
+(``NAMES``, ``AUTO_ORDER``, the options' choices, the fuzzer's targets, graphopt.generate's
+runners); adding a target is one entry here.
 
 A target is an object with ``name``, ``unavailable_reason(config) -> str | None`` (None
-when it can run here) and ``compile(gm, example_inputs, ctx) -> callable``. Targets
-live under backends/ and are looked up by name through ``graphopt.registry.TARGETS``.
+when it can run here) and ``compile(gm, example_inputs, config) -> callable``. Targets
+live under backends/ and are imported by name (``TABLE``'s ``where``) only when asked for,
+so a missing optional package costs nothing until it is needed.
+
+This module imports nothing of graphopt but its errors: graphopt.config reads its names.
 """
 
 from __future__ import annotations
@@ -10,13 +19,51 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from graphopt.config import Options
 from graphopt.errors import TargetUnavailable
 
 if TYPE_CHECKING:
     import torch.fx as fx
+
+# The hardware detect_hardware() tells apart.
+HARDWARE = ("cuda", "rocm", "cpu")
+
+
+@dataclass(frozen=True)
+class TargetEntry:
+    """One target, everything graphopt knows of it by name."""
+
+    name: str
+    where: str  # "module:attribute" of its Target object, imported when first asked for
+    # graphopt.generate's step runner on it ("module:class", built as cls(model, config, max_length));
+    # None: the static-cache step compiled for it (graphopt.generation.static)
+    step_runner: str | None = None
+    # A step runner made from a Checkpoint's file ("module:function(checkpoint, config, max_length)"),
+    # numpy in and out; None: the checkpoint's module is built and decoded as any module
+    checkpoint_runner: str | None = None
+    # Runs a graph's nodes in order, so an in-place kv_cache_update happens before the attention
+    # that reads the cache. ONNX Runtime orders by data dependencies only.
+    runs_in_order: bool = False
+    auto_on: tuple[str, ...] = ()  # hardware where target="auto" tries it first (eager is always last)
+    fuzzed: bool = True  # in `graphopt fuzz`'s default targets
+
+
+TABLE: tuple[TargetEntry, ...] = (
+    TargetEntry("eager", "graphopt.backends.eager:eager", runs_in_order=True),
+    TargetEntry("onnxruntime", "graphopt.backends.onnxruntime.target:onnxruntime",
+                step_runner="graphopt.backends.onnxruntime.decoder.decoder:OrtRunner",
+                checkpoint_runner="graphopt.backends.onnxruntime.decoder.from_checkpoint:checkpoint_runner",
+                auto_on=("cpu",)),
+    TargetEntry("triton", "graphopt.backends.triton.target:triton", runs_in_order=True, auto_on=("cuda", "rocm")),
+    # needs TensorRT and a GPU; no lowering the fuzzer's graphs exercise yet
+    TargetEntry("tensorrt", "graphopt.backends.tensorrt.target:tensorrt", fuzzed=False),
+)
+NAMES = tuple(t.name for t in TABLE)
+ENTRIES = {t.name: t for t in TABLE}
+# What target="auto" tries, in order, for each kind of hardware.
+AUTO_ORDER = {hw: (*(t.name for t in TABLE if hw in t.auto_on), "eager") for hw in HARDWARE}
 
 # Device nodes a GPU driver makes (NVIDIA's, AMD's kernel fusion driver). Without one no torch
 # build can see a GPU, so the answer "cpu" costs no torch import (2.7 s): a warm
@@ -25,11 +72,13 @@ GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
 class Target(Protocol):
+    """``config`` is a graphopt.config.Options (not imported here: config imports this module)."""
+
     name: str
 
-    def unavailable_reason(self, config: Options) -> str | None: ...
+    def unavailable_reason(self, config: Any) -> str | None: ...
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Options) -> Callable: ...
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Any) -> Callable: ...
 
 
 @functools.cache
@@ -44,19 +93,18 @@ def detect_hardware() -> str:
     return "cpu"
 
 
-# What target="auto" tries, in order, for each kind of hardware.
-AUTO_ORDER = {
-    "cuda": ("triton", "eager"),
-    "rocm": ("triton", "eager"),
-    "cpu": ("onnxruntime", "eager"),
-}
+def in_order_targets() -> tuple[str, ...]:
+    """Targets that run a graph's nodes in order (an in-place cache update before its reader)."""
+    return tuple(t.name for t in TABLE if t.runs_in_order)
+
+
+def fuzzed_targets() -> tuple[str, ...]:
+    return tuple(t.name for t in TABLE if t.fuzzed)
 
 
 def get_target(name: str) -> Target:
     """The target object; TargetUnavailable (one line) when its module cannot load."""
-    from graphopt.registry import TARGETS
-
-    module_name, attr = TARGETS[name].split(":")
+    module_name, attr = ENTRIES[name].where.split(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -68,7 +116,7 @@ def get_target(name: str) -> Target:
     return getattr(module, attr)
 
 
-def resolve_target(config: Options) -> tuple[Target, list[str]]:
+def resolve_target(config: Any) -> tuple[Target, list[str]]:
     """The target to use and, for ``auto``, why each earlier choice was passed over."""
     if config.target != "auto":
         target = get_target(config.target)

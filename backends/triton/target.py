@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from graphopt import ir
 from graphopt import report as reports
+from graphopt.config import fall_back
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
 
@@ -96,9 +97,7 @@ class TritonTarget:
                 compiled = compile_with_inductor(lowered, example_inputs)
                 notes.append("triton: the rest of the graph compiled by Inductor")
             except Exception as error:  # Inductor's failure need not cost the Triton kernels
-                if config.fallback == "error":
-                    raise
-                reason = f"{type(error).__name__}: {error}".splitlines()[0]
+                reason = fall_back(config, error, "Inductor", None, raise_as=None)  # noted below
                 notes.append(f"triton: Inductor failed ({reason}); the rest of the graph runs eagerly")
         for note in notes:
             log.info("graphopt: %s", note)

@@ -25,8 +25,9 @@ from graphopt.fuzz.case import Case, RandomDraw
 from graphopt.fuzz.check import ROUTING_TIE, Outcome, check_module, reference
 from graphopt.fuzz.generate import Settings, expectations, generate, kinds
 from graphopt.fuzz.source import materialize
+from graphopt.targets import NAMES, fuzzed_targets, get_target
 
-ALL_TARGETS = ("eager", "onnxruntime", "triton")
+ALL_TARGETS = fuzzed_targets()  # graphopt.targets' table: every target but tensorrt
 # Fusion passes that are registered but not (yet) in the default pipeline; the fuzzer runs
 # them too, in this order (fuse_attention looks through the copies fuse_rope leaves).
 EXTRA_FUSIONS = ("fuse_rope", "fuse_attention")
@@ -48,13 +49,11 @@ def resolve_targets(requested: Sequence[str] | None = None) -> tuple[list[str], 
     Without a GPU the triton target runs only under TRITON_INTERPRET=1, which must be set
     when the process starts (``triton.jit`` reads it as kernels are defined, some at import
     time); its reason for being unavailable says so."""
-    from graphopt.targets import get_target
-
     names = list(requested or ALL_TARGETS)
     for name in names:
         Options.parse({"target": name})  # an unknown name fails with the list of valid ones
         if name == "auto":
-            raise OptionsError("graphopt fuzz needs a named target (eager, onnxruntime, triton, tensorrt), not auto")
+            raise OptionsError(f"graphopt fuzz needs a named target ({', '.join(NAMES)}), not auto")
     usable, skipped = [], {}
     for name in names:
         try:

@@ -30,22 +30,21 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, Any, Callable
 
-from graphopt.config import Options
+from graphopt.config import Options, fall_back
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.generation.checkpoint import Checkpoint, decode_checkpoint
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive, merge_groups
 from graphopt.generation.sampling import Sampler, StopConditions, array_module
+from graphopt.targets import TABLE, in_order_targets
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
 log = logging.getLogger("graphopt")
 
-# Step runners by resolved target, as "module:class"; the class is built as cls(model, config).
-# Targets missing here decode with the static-cache step (graphopt.generation.static).
-RUNNERS: dict[str, str] = {
-    "onnxruntime": "graphopt.backends.onnxruntime.decoder.decoder:OrtRunner",
-}
+# Step runners by resolved target, as "module:class" (graphopt.targets' table); the class is built
+# as cls(model, config, max_length). Other targets decode with the static-cache step (graphopt.generation.static).
+RUNNERS: dict[str, str] = {t.name: t.step_runner for t in TABLE if t.step_runner}
 
 
 def _check(input_ids: Any, max_new_tokens: int, max_length: int | None, attention_mask: Any) -> int:
@@ -97,14 +96,14 @@ def _materialize_unless_streamed(model: nn.Module, config: Options, reference: b
 
 def make_runner(model: nn.Module, config: Options, max_length: int):
     """The step runner of ``config.target`` (``auto`` resolved here)."""
-    from graphopt.generation.static import IN_PLACE_TARGETS, StaticRunner
+    from graphopt.generation.static import StaticRunner
 
     try:
         name = resolve_name(config)
-    except TargetUnavailable:
-        if config.target != "auto" and config.fallback == "error":
-            raise
-        name = config.target  # lower() reports the unavailable target and falls back to eager itself
+    except TargetUnavailable as error:
+        if config.target != "auto":  # raises under fallback="error"; otherwise lower() reports it and runs eager
+            fall_back(config, error, f"target {config.target}", None, raise_as=None)
+        name = config.target
     where = RUNNERS.get(name)
     if where is not None:
         module, attr = where.split(":")
@@ -114,7 +113,7 @@ def make_runner(model: nn.Module, config: Options, max_length: int):
             raise GraphoptError(f"target {name}'s step runner {where} does not load ({error}); "
                                 "use target eager") from None
         return cls(model, config.replace(target=name), max_length)  # sizes ORT's cache buffer once
-    return StaticRunner(model, config, max_length, name if name in IN_PLACE_TARGETS else "eager")
+    return StaticRunner(model, config, max_length, name if name in in_order_targets() else "eager")
 
 
 def resolve_name(config: Options) -> str:
@@ -219,13 +218,12 @@ def _run(model: nn.Module | Checkpoint, input_ids: Tensor, max_new_tokens: int, 
                 mine.notes.append(REFERENCE_QUANTIZED_NOTE)
             return results
         except GraphoptError as error:
-            reason = str(error)
+            failure, reason = error, str(error)
         except Exception as error:  # export or a pass crashed: never break the user's decoding
-            reason = f"{type(error).__name__}: {error}"
+            failure, reason = error, f"{type(error).__name__}: {error}"
         reason = reason.splitlines()[0] if reason else "unknown error"
-        if config.fallback == "error":
-            raise GraphoptError(f"graphopt.generate could not build a step for target {config.target}: {reason}")
-        log.warning("graphopt.generate: %s; decoding eagerly with the model's own cache", reason)
+        fall_back(config, failure, f"generate's step for target {config.target}",
+                  "decoding eagerly with the model's own cache", reason=reason, raise_as=GraphoptError)
         _materialize_unless_streamed(model, config.replace(target="eager"), reference)
         runners = [EagerRunner(model) for _ in range(1 + reference)]
         results = _decode(runners, input_ids, mask, max_new_tokens, sampler, stop, on_token)

@@ -20,16 +20,15 @@ from graphopt.config import Options
 from graphopt.errors import TargetUnavailable
 from graphopt.generation.loop import GenerateResult, TokenCallback, drive
 from graphopt.generation.sampling import Sampler, StopConditions, array_module
+from graphopt.targets import TABLE
 
 if TYPE_CHECKING:
     from torch import nn
 
 # Targets whose runner is made from a Checkpoint's file, as "module:function(checkpoint,
-# config, max_length)" returning a step runner on numpy arrays; it raises TargetUnavailable
-# when its runtime is not installed (the module is then built and decoded as usual).
-CHECKPOINT_RUNNERS: dict[str, str] = {
-    "onnxruntime": "graphopt.backends.onnxruntime.decoder.from_checkpoint:checkpoint_runner",
-}
+# config, max_length)" returning a step runner on numpy arrays (graphopt.targets' table); it raises
+# TargetUnavailable when its runtime is not installed (the module is then built and decoded as usual).
+CHECKPOINT_RUNNERS: dict[str, str] = {t.name: t.checkpoint_runner for t in TABLE if t.checkpoint_runner}
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """A failing pass is skipped, a failing target falls back to eager; both are reported,
 and fallback="error" raises instead."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 
 import graphopt
-from graphopt import registry
+from graphopt import targets
 from graphopt.registry import scoped_passes
 from graphopt.errors import BackendFailed
 from graphopt.pass_manager import NoOptions, PassResult
@@ -94,7 +95,7 @@ def test_failing_pass_raises_with_fallback_error(exploding_pass):
 
 
 def test_failing_target_falls_back_to_eager(monkeypatch, caplog):
-    monkeypatch.setitem(registry.TARGETS, "tensorrt", "tests.core.test_fallback:broken")
+    monkeypatch.setitem(targets.ENTRIES, "tensorrt", dataclasses.replace(targets.ENTRIES["tensorrt"], where="tests.core.test_fallback:broken"))
     x = torch.randn(3, 8)
     out = _compile(Norm(), {"target": "tensorrt"})(x)
     assert_matches_eager(out, eager(Norm(), x), rel=1e-6)
@@ -105,7 +106,7 @@ def test_failing_target_falls_back_to_eager(monkeypatch, caplog):
 
 
 def test_target_failing_at_run_time_falls_back(monkeypatch):
-    monkeypatch.setitem(registry.TARGETS, "tensorrt", "tests.core.test_fallback:fails_at_run")
+    monkeypatch.setitem(targets.ENTRIES, "tensorrt", dataclasses.replace(targets.ENTRIES["tensorrt"], where="tests.core.test_fallback:fails_at_run"))
     compiled = _compile(Norm(), {"target": "tensorrt"})
     x = torch.randn(3, 8)
     assert_matches_eager(compiled(x), eager(Norm(), x), rel=1e-6)
@@ -115,7 +116,7 @@ def test_target_failing_at_run_time_falls_back(monkeypatch):
 
 
 def test_failing_target_raises_with_fallback_error(monkeypatch):
-    monkeypatch.setitem(registry.TARGETS, "tensorrt", "tests.core.test_fallback:broken")
+    monkeypatch.setitem(targets.ENTRIES, "tensorrt", dataclasses.replace(targets.ENTRIES["tensorrt"], where="tests.core.test_fallback:broken"))
     compiled = _compile(Norm(), {"target": "tensorrt", "fallback": "error"})
     with pytest.raises(Exception, match="graphopt target:tensorrt failed: RuntimeError: cannot lower aten.mm"):
         compiled(torch.randn(3, 8))

@@ -4,7 +4,7 @@ not the CLI and not ``graphopt.debug``, and no module imports itself back throug
 Every ``.py`` under the package roots is parsed with ``ast`` and every ``import`` statement
 counts, at module level or inside a function, since a function-local import is the same
 dependency paid later. The core reaches passes and targets by name through importlib (the
-registry's ``PASS_PACKAGE`` and ``TARGETS``), which is the sanctioned way and not an import.
+registry's ``PASS_PACKAGE``, graphopt.targets' ``TABLE``), which is the sanctioned way and not an import.
 
 "Core" is every module under ``graphopt/`` except the applications built on it:
 ``graphopt.cli``, ``graphopt.debug``, ``graphopt.fuzz`` and ``graphopt.distributed``.

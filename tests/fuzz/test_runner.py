@@ -2,6 +2,7 @@
 with a reason, and a planted miscompilation is caught, shrunk and written as a reproducer
 that reruns (failing while the bug is there, passing once it is fixed)."""
 
+import dataclasses
 import json
 import runpy
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from graphopt import registry
+from graphopt import targets
 from graphopt.registry import scoped_passes
 from graphopt.cli.main import app
 from graphopt.fuzz.check import Reference, judge
@@ -51,7 +52,7 @@ def test_wrong_shape_dtype_or_count_is_a_mismatch():
 
 
 def test_targets_that_cannot_run_here_are_skipped_with_a_reason(monkeypatch):
-    monkeypatch.setitem(registry.TARGETS, "triton", "graphopt.backends.no_such_module:triton")
+    monkeypatch.setitem(targets.ENTRIES, "triton", dataclasses.replace(targets.ENTRIES["triton"], where="graphopt.backends.no_such_module:triton"))
     usable, skipped = resolve_targets(["eager", "triton", "tensorrt"])
     assert usable == ["eager"]
     assert "triton" in skipped["triton"] and "tensorrt" in skipped["tensorrt"]
