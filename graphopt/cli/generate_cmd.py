@@ -40,8 +40,11 @@ def generate(
     json_out: bool = typer.Option(False, "--json", help="print JSON: target, prefill_ms, ms_per_token, outputs "
                                   "[{prompt, text, token_ids}] (token_ids: the new tokens only), compile_s and "
                                   "compile_stages (seconds per build stage, where the target times them)"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo, 1 thread each); each decodes its shard and "
-                           "is compared with the unsharded model's tokens (JSON: tokens_match_tp1, ranks)"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo processes on the CPU, 1 thread each); each "
+                           "decodes its shard and is compared with the unsharded model's tokens (JSON: "
+                           "tokens_match_tp1, ranks)"),
+    tp_timeout: float = typer.Option(60.0, "--tp-timeout", help="seconds a --tp collective waits for the other "
+                                     "ranks before the run fails, naming the rank and the collective"),
 ) -> None:
     """Generate text from MODEL for each --prompt with graphopt.generate, on the chosen target.
 
@@ -88,7 +91,7 @@ def generate(
         from graphopt.distributed.cli import generate_text_tp_cmd
 
         generate_text_tp_cmd(model, tp, config.to_dict(), prompt, encoded, stops, tokenizer, max_new_tokens,
-                             json_out, module=loaded.module)
+                             json_out, module=loaded.module, timeout=tp_timeout)
         return
     stream = _Stream(tokenizer) if len(prompt) == 1 and not json_out else None
     if stream:

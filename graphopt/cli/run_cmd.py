@@ -26,7 +26,10 @@ def run(
     generate: int = typer.Option(0, "--generate", help="decode N tokens greedily with graphopt.generate and compare "
                                  "with eager; JSON gets generate: {tokens_match_eager, compiles, ms_per_token}"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: rel_err, max_abs_err, timings, reports"),
-    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo, 1 thread each); compares each shard with the unsharded model"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo processes on the CPU, 1 thread each); "
+                           "compares each shard with the unsharded model"),
+    tp_timeout: float = typer.Option(60.0, "--tp-timeout", help="seconds a --tp collective waits for the other "
+                                     "ranks before the run fails, naming the rank and the collective"),
 ) -> None:
     """Compile MODEL with backend="graphopt", compare its output with eager, and time both.
 
@@ -38,9 +41,9 @@ def run(
         from graphopt.distributed.cli import generate_tp_cmd, run_tp_cmd
 
         if generate:
-            generate_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, generate, json_out)
+            generate_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, generate, json_out, timeout=tp_timeout)
         else:
-            run_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, repeat, json_out)
+            run_tp_cmd(model, tp, config.to_dict(), batch, seq_len, seed, repeat, json_out, timeout=tp_timeout)
         return
     if generate:
         _run_generate(model, config, batch, seq_len, seed, generate, json_out)

@@ -7,15 +7,21 @@ Only the CLI imports this module; the rest of graphopt.distributed prints nothin
 from __future__ import annotations
 
 from graphopt.cli.output import console, print_json, step, table
+from graphopt.distributed.launch import BACKEND, DEFAULT_TIMEOUT_S
 from graphopt.distributed.tp_run import run_tp
+
+def _ranks(tp: int, timeout: float) -> str:
+    """What --tp launches, as the progress line says it."""
+    return f"{tp} {BACKEND} ranks on the CPU (1 thread each; a collective fails after {timeout:g} s)"
+
 
 STYLE_HELP = "functional: plain local weights + functional all_reduce; dtensor: parallelize_module (DTensor weights)"
 
 
 def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed: int, repeat: int,
-               json_out: bool, style: str = "functional") -> None:
-    with step(f"running {spec} on {tp} gloo ranks (1 thread each)", json_out):
-        result = run_tp(spec, tp, seed, batch, seq_len, options, repeat=repeat, style=style)
+               json_out: bool, style: str = "functional", timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    with step(f"running {spec} on {_ranks(tp, timeout)}", json_out):
+        result = run_tp(spec, tp, seed, batch, seq_len, options, repeat=repeat, style=style, timeout=timeout)
     if json_out:
         print_json(result)
         return
@@ -36,11 +42,11 @@ def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed
 
 
 def generate_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed: int, tokens: int,
-                    json_out: bool, style: str = "functional") -> None:
+                    json_out: bool, style: str = "functional", timeout: float = DEFAULT_TIMEOUT_S) -> None:
     from graphopt.distributed.tp_generate import generate_tp
 
-    with step(f"decoding {tokens} tokens of {spec} on {tp} gloo ranks and unsharded", json_out):
-        result = generate_tp(spec, tp, seed, batch, seq_len, tokens, options, style=style)
+    with step(f"decoding {tokens} tokens of {spec} on {_ranks(tp, timeout)} and unsharded", json_out):
+        result = generate_tp(spec, tp, seed, batch, seq_len, tokens, options, style=style, timeout=timeout)
     if json_out:
         print_json(result)
         return
@@ -53,7 +59,7 @@ def generate_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int,
 
 
 def generate_text_tp_cmd(spec: str, tp: int, options: dict, prompts: list[str], encoded, stop, tokenizer,
-                         max_new_tokens: int, json_out: bool, module=None) -> None:
+                         max_new_tokens: int, json_out: bool, module=None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
     """``graphopt generate MODEL --tp N``: the tokenized prompts decode on N ranks (and
     unsharded, eagerly, on each: TP=1); rank 0's text, then one table of every rank."""
     from graphopt.distributed.shard import check_divisible
@@ -62,8 +68,8 @@ def generate_text_tp_cmd(spec: str, tp: int, options: dict, prompts: list[str], 
     if module is not None:
         check_divisible(module, tp)  # one line here, before N processes load the model
     prompt = Prompt(encoded["input_ids"], encoded.get("attention_mask"), stop)
-    with step(f"generating on {tp} gloo ranks (1 thread each) and unsharded", json_out):
-        result = generate_tp(spec, tp, 0, 1, 1, max_new_tokens, options, prompt=prompt)
+    with step(f"generating on {_ranks(tp, timeout)} and unsharded", json_out):
+        result = generate_tp(spec, tp, 0, 1, 1, max_new_tokens, options, prompt=prompt, timeout=timeout)
     first = result["ranks"][0]
     outputs = [{"prompt": p, "text": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": ids}
                for p, ids in zip(prompts, first["token_ids"])]

@@ -84,11 +84,14 @@ def rank_run(rank: int, world: int, spec: str, seed: int, batch: int, seq_len: i
 
 
 def run_tp(spec: str, world: int, seed: int, batch: int, seq_len: int, options: dict,
-           repeat: int = 5, style: str = "functional", threads: int = 1) -> dict[str, Any]:
-    """Launch ``world`` gloo ranks and gather their rows."""
-    from graphopt.distributed.launch import spawn
+           repeat: int = 5, style: str = "functional", threads: int = 1,
+           timeout: float | None = None) -> dict[str, Any]:
+    """Launch ``world`` gloo ranks and gather their rows; ``timeout``: seconds a collective
+    waits (the launcher's default when None)."""
+    from graphopt.distributed.launch import DEFAULT_TIMEOUT_S, spawn
 
-    rows = spawn(rank_run, world, spec, seed, batch, seq_len, options, repeat, style, threads=threads)
+    rows = spawn(rank_run, world, spec, seed, batch, seq_len, options, repeat, style, threads=threads,
+                 timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
     return {
         "model": rows[0]["model"],
         "tp": world,
