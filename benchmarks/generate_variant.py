@@ -22,16 +22,16 @@ def in_place(variant_type, name: str, model, example, config, threads: int, fold
     reuse that export; ``unfolded``: export with the rotary fold off; ``spin``: as OrtRunner
     runs it (workers spin between ops, torch on one thread while it decodes alone); off for
     lockstep, where its spinning workers would slow the torch variants stepped between."""
-    from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.decoder.decoder import OrtRunner
     from graphopt.backends.onnxruntime.decoder.in_place import InPlaceSession
     from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
+    from graphopt.export.files import save_atomically
 
     if path is None:
         with _fold_off() if unfolded else contextlib.nullcontext():
-            onnx_model, _ = export_decoder(model, example, tool.pipeline_options(config, config.int4))
+            onnx_model, _ = export_decoder(model, example, config)
         path = str(folder / (name.replace(" ", "_").replace(".", "_").replace(",", "") + ".onnx"))
-        tool.save_atomically(onnx_model, Path(path))
+        save_atomically(onnx_model, Path(path))
     prefix = os.path.join(profile_dir, name.replace(" ", "_")) if profile_dir else None
     session = create_session(path, "cpu", threads=threads, arena=False, spin=spin, profile_prefix=prefix)
     runner = OrtRunner(None, config)

@@ -80,7 +80,7 @@ from rich.console import Console
 from rich.table import Table
 
 from graphopt.backends.onnxruntime.lower.export import OnnxModel
-from graphopt.backends.onnxruntime.tool import export_model
+from graphopt.export.model import export_model
 from graphopt.config import Options
 from graphopt.quant.report import int4_summary, logits_metrics
 

@@ -58,13 +58,14 @@ class Optimized:
 
 def front_half(source: Any, config: Options, to: Callable[[Optimized], R], *, args: Sequence[Any] = (),
                stage: str = "default", dynamic_shapes: Any = None, trace_repeated_once: bool = False,
-               timer: StageTimer | None = None) -> R:
+               timer: StageTimer | None = None, trace_error: Callable[[Exception], Exception] | None = None) -> R:
     """Trace ``source`` -> run the pipeline's ``stage`` -> ``to(optimized)``, returning what ``to`` returns.
 
     ``source``: a module, traced here with torch.export on ``args`` (``dynamic_shapes``,
     ``trace_repeated_once`` as ``export_aten_graph`` takes them), or an ``AtenProgram`` traced
     already (dynamo's graph under torch.compile). ``timer(name)`` wraps the "torch.export"
-    and "passes" steps (the export tool times its stages with it).
+    and "passes" steps (the export tool times its stages with it). ``trace_error``: what to
+    raise instead when torch.export fails with an error that is not graphopt's own.
     """
     timer = timer or (lambda name: contextlib.nullcontext())
     if isinstance(source, AtenProgram):
@@ -72,8 +73,15 @@ def front_half(source: Any, config: Options, to: Callable[[Optimized], R], *, ar
     else:
         with timer("torch.export"), warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecation notices
-            program = export_aten_graph(source, tuple(args), dynamic_shapes=dynamic_shapes,
-                                        trace_repeated_once=trace_repeated_once)
+            try:
+                program = export_aten_graph(source, tuple(args), dynamic_shapes=dynamic_shapes,
+                                            trace_repeated_once=trace_repeated_once)
+            except GraphoptError:
+                raise
+            except Exception as error:
+                if trace_error is None:
+                    raise
+                raise trace_error(error) from error
     inputs = list(program.example_inputs) if program.example_inputs is not None else None
     with timer("passes"):
         result, _ = run_pipeline(program.gm, config, inputs, stage=stage)

@@ -3,7 +3,8 @@
 Modules here:
 - ``target``: the ``torch.compile`` target (``options={"target": "onnxruntime"}``), the entry
   the registry imports.
-- ``tool``: the pipeline behind ``graphopt export``: a model -> an optimized, proven ``.onnx`` file.
+- ``exporter``: what the target lends ``graphopt export`` (graphopt/export): an optimized graph
+  lowered to an ``.onnx`` file, and a session to check it; it runs no pass.
 - ``errors``: the target's errors, one line each, naming the op.
 
 Rooms, by job:

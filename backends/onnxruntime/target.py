@@ -57,6 +57,13 @@ def missing_package() -> str | None:
 class OnnxRuntimeTarget:
     name = "onnxruntime"
 
+    @property
+    def exporter(self):
+        """What ``graphopt export`` (graphopt/export) lowers and checks its files with; runs no pass."""
+        from graphopt.backends.onnxruntime.exporter import onnx_exporter
+
+        return onnx_exporter
+
     def unavailable_reason(self, config) -> str | None:
         missing = missing_package()
         if missing:

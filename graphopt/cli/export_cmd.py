@@ -78,23 +78,25 @@ def export(
     missing = missing_package()
     if missing:
         raise GraphoptError(f"graphopt export needs the Python package {missing!r}: pip install 'graphopt[onnxruntime]'")
-    from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.decoder import generate
+    from graphopt.export.files import check_destination
+    from graphopt.export.model import export_model
+    from graphopt.pipeline import with_int4
 
     if batch < 2 or seq_len < 2:
         raise GraphoptError("--batch and --seq-len must be at least 2: torch.export fixes axes of size 1")
     _check_opset(opset)
     config = parse_options(option)
     int4 = int4 or config.int4  # --option int4=true is --int4: the same pass, the same validation
-    tool.check_destination(output, force)
+    check_destination(output, force)
     calibrated = _check_int4_flags(int4, kv_cache, calibration_text, calibration_tokens, int4_budget,
                                    embedding_bits)
     ids, calibration_source = (calibration.token_ids(model, calibration_text, calibration_tokens)
                                if calibrated else (None, None))
     config = calibration.with_int4_options(config, ids, int4_budget, embedding_bits)
     if kv_cache:
-        tool.check_destination(generate.decode_path(output), force)
-        tool.pipeline_options(config, int4)  # fail on --int4 before loading anything
+        check_destination(generate.decode_path(output), force)
+        with_int4(config, int4)  # fail on --int4 before loading anything
 
     with _progress(json_out, _STAGES[kv_cache]) as stage:
         start = time.perf_counter()
@@ -107,7 +109,7 @@ def export(
                 result = generate.export_kv_cache(loaded.module, loaded.example_inputs[0], staged,
                                                   new_tokens=new_tokens, **common)
             else:
-                result = tool.export_model(loaded.module, loaded.example_inputs, staged, input_names=_input_names(loaded),
+                result = export_model(loaded.module, loaded.example_inputs, staged, input_names=_input_names(loaded),
                                            output_names=_output_names(loaded), **common)
             data = {"model": loaded.name, **result.to_dict()}
             if int4:

@@ -7,7 +7,7 @@ import torch
 
 from graphopt import ir
 from graphopt.backends.onnxruntime.decoder.inplace_cache import DecoderStep
-from graphopt.backends.onnxruntime.tool import dims_for
+from graphopt.export.model import dims_for
 from graphopt.frontend import repeated_layers
 from graphopt.frontend.trace import export_aten_graph
 

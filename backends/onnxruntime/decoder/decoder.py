@@ -123,12 +123,12 @@ class OrtRunner:
         self.notes += [f"export: {f['where']}: {f['reason']}" for f in self.export_result.fallbacks]
 
     def _export_decoder(self, input_ids: Tensor) -> None:
-        from graphopt.backends.onnxruntime import tool
         from graphopt.backends.onnxruntime.decoder import decoder_cache
         from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
+        from graphopt.export.files import ExportResult, Timer
 
-        config = tool.pipeline_options(self.config, self.config.int4)
-        timer = tool.Timer(None)
+        config = self.config
+        timer = Timer(None)
         with timer("cache key"):
             key = decoder_cache.decoder_key(self.model, config.to_dict()) if decoder_cache.cache_dir() else None
         kept = decoder_cache.lookup(key) if key else None
@@ -136,7 +136,7 @@ class OrtRunner:
             try:
                 with timer("session"):
                     self.decoder = InPlaceSession(decoder_session(str(kept)))
-                self.export_result = tool.ExportResult([], timer.seconds, [], [])
+                self.export_result = ExportResult([], timer.seconds, [], [])
                 self.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
                 return
             except Exception as error:  # a damaged entry: export again and replace it
@@ -157,7 +157,7 @@ class OrtRunner:
             if key:
                 with timer("cache store"):
                     self.notes.append(decoder_cache.store(key, model)[1])
-        self.export_result = tool.ExportResult([], timer.seconds, records, fallbacks)
+        self.export_result = ExportResult([], timer.seconds, records, fallbacks)
 
     def _open_written(self, model, key: str | None, timer) -> None:
         """Write ``model`` (lazy weights) to the decoder cache, or to a temporary folder when the

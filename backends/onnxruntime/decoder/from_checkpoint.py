@@ -113,18 +113,17 @@ def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> 
     checkpoint.check_memory()  # one line now, not the OOM killer halfway through the export
     import torch
 
-    from graphopt.backends.onnxruntime import tool
     from graphopt.backends.onnxruntime.decoder import decoder_cache
     from graphopt.backends.onnxruntime.decoder.decoder import _export_prompt
     from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
+    from graphopt.export.files import Timer
 
     torch.set_num_threads(torch.get_num_threads())  # the child's own OpenMP pool, not the parent's
-    timer = tool.Timer(None)
+    timer = Timer(None)
     with timer("load"):
         model = checkpoint.build()
     prompt = torch.randint(0, 100, (2, 4))
     config = Options.parse(options)
-    config = tool.pipeline_options(config, config.int4)
     onnx_model, result = export_decoder(model, _export_prompt(prompt), config, timer)
     notes = list(onnx_model.notes)
     path = None

@@ -99,13 +99,18 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
 
     ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
     """
-    from graphopt.backends.onnxruntime import tool  # the export machinery (onnx, onnxscript) only when exporting
+    # the export machinery (onnx, onnxscript) only when exporting
+    from graphopt.backends.onnxruntime.exporter import onnx_exporter
+    from graphopt.export.files import ExportResult, Timer, check_destination, describe, save_atomically
+    from graphopt.export.model import dims_for, optimize_and_export
+    from graphopt.export.validate import flatten_outputs, resample_like, validate
+    from graphopt.pipeline import with_int4
 
     from graphopt import ir
 
-    prefill_path, step_path = tool.check_destination(path, force), tool.check_destination(decode_path(path), force)
-    config = tool.pipeline_options(config, int4)
-    timer = tool.Timer(stage)
+    prefill_path, step_path = check_destination(path, force), check_destination(decode_path(path), force)
+    config = with_int4(config, int4)
+    timer = Timer(stage)
     prefill_step, decode_step = cache_steps(model)
     with torch.no_grad():
         flat_cache = list(prefill_step(prompt)[1:])
@@ -113,41 +118,41 @@ def export_kv_cache(model: nn.Module, prompt: Tensor, path: str | os.PathLike, *
     present = _cache_names(layers, "present")
     cache_axes = {0: "batch", 2: "past_sequence"}
 
-    prefill, prefill_result = tool.optimize_and_export(
+    prefill, prefill_result = optimize_and_export(
         prefill_step, (prompt,), config, timer, axis_names=[{0: "batch", 1: "sequence"}],
-        input_names=["input_ids"], output_names=["logits", *present], opset=opset)
+        input_names=["input_ids"], output_names=["logits", *present], opset=opset, to=onnx_exporter)
     with timer("save"):
-        prefill_files = tool.save_atomically(prefill, prefill_path)
+        prefill_files = save_atomically(prefill, prefill_path)
 
     token = prompt[:, -1:]
-    dims = tool.dims_for([{0: "batch"}, *[cache_axes] * len(flat_cache)])
-    step, step_result = tool.optimize_and_export(
+    dims = dims_for([{0: "batch"}, *[cache_axes] * len(flat_cache)])
+    step, step_result = optimize_and_export(
         decode_step, (token, *flat_cache), config, timer,
         axis_names=[{0: "batch"}, *[cache_axes] * len(flat_cache)],
         input_names=["input_ids", *_cache_names(layers, "past")], output_names=["logits", *present],
-        opset=opset, dynamic_shapes=(dims[0], tuple(dims[1:])))
+        opset=opset, dynamic_shapes=(dims[0], tuple(dims[1:])), to=onnx_exporter)
     with timer("save"):
-        step_files = tool.save_atomically(step, step_path)
+        step_files = save_atomically(step, step_path)
 
-    files = [tool.describe("prefill", prefill, prefill_files, ir.op_counts(prefill_result.gm)),
-             tool.describe("decode", step, step_files, ir.op_counts(step_result.gm))]
+    files = [describe("prefill", prefill, prefill_files, ir.op_counts(prefill_result.gm)),
+             describe("decode", step, step_files, ir.op_counts(step_result.gm))]
     extra: dict[str, Any] = {"cached_attention": step.cached_attention}
     if getattr(decode_step, "mask_kept", None):
         extra["attention_mask_kept"] = decode_step.mask_kept  # why GQA with past/present could not fire
     if validate_model:
         with timer("validate"):
-            other = tool.resample_like([prompt])[0]
-            files[0].validation = tool.validate(str(prefill_path), prefill_step, [[prompt], [other]],
-                                                config.provider, tool.flatten_outputs)
-            files[1].validation = tool.validate(str(step_path), decode_step, [[token, *flat_cache]],
-                                                config.provider, tool.flatten_outputs)
+            other = resample_like([prompt])[0]
+            files[0].validation = validate(str(prefill_path), prefill_step, [[prompt], [other]],
+                                           config.provider, flatten_outputs, onnx_exporter)
+            files[1].validation = validate(str(step_path), decode_step, [[token, *flat_cache]],
+                                           config.provider, flatten_outputs, onnx_exporter)
             ort_tokens = greedy_generate_ort(str(prefill_path), str(step_path), prompt, new_tokens, config.provider)
             eager_tokens = greedy_generate_eager(model, prompt, new_tokens)
             extra["generation"] = {"new_tokens": new_tokens, "tokens_equal": bool(torch.equal(ort_tokens, eager_tokens)),
                                    "ort_tokens": ort_tokens[:, prompt.shape[1]:].tolist(),
                                    "eager_tokens": eager_tokens[:, prompt.shape[1]:].tolist()}
     records = [r.to_dict() for r in prefill_result.records + step_result.records]
-    return tool.ExportResult(files, timer.seconds, records, prefill_result.fallbacks + step_result.fallbacks, extra)
+    return ExportResult(files, timer.seconds, records, prefill_result.fallbacks + step_result.fallbacks, extra)
 
 
 class PairRunner:

@@ -212,32 +212,39 @@ def cache_names(layers: int, prefix: str) -> list[str]:
 def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: int | None = None,
                    rewrite: bool = False):
     """The in-place decoder of ``model`` (see the module docstring) -> (OnnxModel, the pipeline's
-    result). ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1).
+    result). ``prompt`` [B, S] with B, S >= 2 (torch.export specializes sizes of 1). The core's
+    front half traces and optimizes the prompt pass; ``lower_decoder`` makes the model of it.
 
     ``rewrite``: run onnxscript's pattern rewrites on the export (``export.export_graph``);
     off by default, since ORT's session optimizer makes the same rewrites when it loads the
     model and they cost half the ONNX export of a 30-layer model.
     """
-    from graphopt.backends.onnxruntime import tool
-    from graphopt.backends.onnxruntime.lower.export import export_graph
-    from graphopt.compiler import run_pipeline
-    from graphopt.frontend.trace import export_aten_graph
+    from graphopt.compiler import front_half
+    from graphopt.export.files import Timer
+    from graphopt.export.model import dims_for
 
-    timer = timer or tool.Timer(None)
-    step = DecoderStep(model)
+    timer = timer or Timer(None)
     batch, length = prompt.shape
     positions = torch.arange(length).repeat(batch, 1)
     last = torch.arange(batch) % length  # any in-range rows: values do not shape the graph
     sequence = {0: "batch", 1: "sequence"}
     axes = [sequence, sequence, {0: "batch"}]
-    with timer("torch.export"):  # a decoder's layers repeat: traced once (graphopt/frontend/repeated_layers.py)
-        program = export_aten_graph(step, (prompt, positions, last), dynamic_shapes=tuple(tool.dims_for(axes)),
-                                    trace_repeated_once=True)
-    layers = (len(program.gm.graph.output_node().args[0]) - 1) // 2  # logits, then a key and a value per layer
-    with timer("passes"):
-        result, _ = run_pipeline(program.gm, config, program.example_inputs)
+    lower = lambda optimized: (lower_decoder(optimized, model, axes, timer, opset, rewrite),  # noqa: E731
+                               optimized.result)
+    # a decoder's layers repeat: traced once (graphopt/frontend/repeated_layers.py)
+    return front_half(DecoderStep(model), config, lower, args=(prompt, positions, last),
+                      dynamic_shapes=tuple(dims_for(axes)), trace_repeated_once=True, timer=timer)
+
+
+def lower_decoder(optimized, model: nn.Module, axes: list, timer, opset: int | None = None, rewrite: bool = False):
+    """The optimized prompt pass (graphopt.compiler.Optimized) -> the in-place decoder's
+    OnnxModel: exported, its attentions rewired onto the shared cache, the layout tidied and
+    rotary folded into attention. Runs ONNX-level rewrites only, no FX pass."""
+    from graphopt.backends.onnxruntime.lower.export import export_graph
+
+    layers = (len(optimized.gm.graph.output_node().args[0]) - 1) // 2  # logits, then a key and a value per layer
     with timer("onnx export"):
-        onnx_model = export_graph(result.gm, program.example_inputs, opset=opset, axis_names=axes,
+        onnx_model = export_graph(optimized.gm, optimized.example_inputs, opset=opset, axis_names=axes,
                                   input_names=["input_ids", "position_ids", "last"],
                                   output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite,
                                   infer_types=False)
@@ -248,10 +255,10 @@ def export_decoder(model: nn.Module, prompt: Tensor, config, timer=None, opset: 
             folded = rotary_fold.fold_rotary_into_attention(onnx_model.model, positions)
             if folded["rotary"]:
                 onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
-    onnx_model.notes = list(program.notes)
+    onnx_model.notes = list(optimized.program.notes)
     graph = onnx_model.model.graph
     onnx_model.input_names = [v.name for v in graph.inputs]
     onnx_model.output_names = [v.name for v in graph.outputs]
     onnx_model.output_plan = list(range(len(graph.outputs)))
     onnx_model.cached_attention = layers
-    return onnx_model, result
+    return onnx_model

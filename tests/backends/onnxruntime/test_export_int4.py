@@ -14,7 +14,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from graphopt.backends.onnxruntime.tool import resample_like
+from graphopt.export.validate import resample_like
 from graphopt.cli.main import app
 from graphopt.sources import load_model
 from graphopt.quant.report import int4_summary, top1_agreement
