@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from graphopt.errors import GraphoptError
 from graphopt.report import CompileReport
+from graphopt.sources.model_kind import CAUSAL_LM, EXPLICIT_CACHE, model_kind
 
 
 class StepRunner(Protocol):
@@ -104,22 +105,14 @@ def inference_mode(model: nn.Module) -> Iterator[None]:
             m.training = training
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A transformers model that generates from a cache of its own (decoder-only)."""
-    config = getattr(model, "config", None)
-    return (type(model).__module__.startswith("transformers.") and hasattr(model, "generate")
-            and not getattr(config, "is_encoder_decoder", False))
-
-
 def step_adapter(model: nn.Module) -> nn.Module:
     """The step adapter for ``model``; GraphoptError naming what is supported otherwise."""
     if isinstance(model, (ExplicitCacheStep, HFCausalStep)):
         return model
-    if is_causal_lm(model):
+    kind = model_kind(model)
+    if kind == CAUSAL_LM:
         return HFCausalStep(model)
-    forward = getattr(model, "forward", None)
-    if forward is not None and "past_key_values" in inspect.signature(forward).parameters \
-            and not type(model).__module__.startswith("transformers."):
+    if kind == EXPLICIT_CACHE:
         return ExplicitCacheStep(model)
     raise GraphoptError(
         f"graphopt.generate cannot drive {type(model).__name__}: pass a transformers causal LM or a module whose "

@@ -17,6 +17,8 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
 - ``transformers_attention``: transformers' sdpa attention traced without a mask where eager runs
   none (``mask_kept``, ``unmasked_sdpa``), for exports of any target.
 - ``gguf_needs``: what reading a ``.gguf`` needs (its packages, the memory it will take); no torch.
+- ``model_kind``: what kind of model a module is (a transformers causal LM, a module with an
+  explicit cache like the built-in Llama, an encoder), decided once for every caller; no torch.
 
 The names below load on first use, so that ``load_checkpoint`` and ``tokenizers`` cost no torch.
 """

@@ -57,8 +57,8 @@ def _export_prompt(input_ids: Tensor) -> Tensor:
 
 def in_place_problem(model: nn.Module | None, provider: str) -> str | None:
     """Why ``model`` cannot decode on the in-place decoder here; None when it can."""
+    from graphopt.sources.model_kind import is_causal_lm
     from graphopt.sources.transformers_attention import mask_kept
-    from graphopt.generation.runner import is_causal_lm
 
     if provider != "cpu":
         return f"the shared past/present buffer is bound on the CPU provider only, not {provider}"

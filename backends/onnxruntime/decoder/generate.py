@@ -25,7 +25,6 @@ writes.
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any
@@ -66,14 +65,12 @@ def cache_steps(model: nn.Module, otherwise: str = "export it without --kv-cache
     """(prefill, decode step) modules with the flat cache interface for ``model``; for a model
     without a cache to export, GraphoptError in one line that ends with ``otherwise``."""
     from graphopt.backends.onnxruntime.decoder.hf_steps import HFCacheStep
-    from graphopt.generation.runner import is_causal_lm
+    from graphopt.sources.model_kind import CAUSAL_LM, EXPLICIT_CACHE, model_kind
 
-    if is_causal_lm(model):
+    kind = model_kind(model)
+    if kind == CAUSAL_LM:
         return HFCacheStep(model), HFCacheStep(model)
-    forward = getattr(model, "forward", None)
-    # A transformers model that does not generate (an encoder) may still name a past_key_values.
-    if forward is not None and "past_key_values" in inspect.signature(forward).parameters \
-            and not type(model).__module__.startswith("transformers."):
+    if kind == EXPLICIT_CACHE:  # a transformers encoder that names a past_key_values is no such module
         return PrefillStep(model), DecodeStep(model)
     raise GraphoptError(
         f"{type(model).__name__} has no KV cache to export: graphopt exports transformers causal LMs and modules whose "
