@@ -17,8 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
-# gloo's collective timeout and the store's rendezvous timeouts (init_process_group)
-TIMEOUT_MARKERS = ("Timed out waiting", "timed out after", "Timed out after")
+# gloo's collective timeout (and its next collective's error once the timeout closed the pairs)
+# and the store's rendezvous timeouts (init_process_group)
+TIMEOUT_MARKERS = ("Timed out waiting", "Application timeout caused pair closure", "timed out after",
+                   "Timed out after")
 # gloo's words when a peer's socket closes under a collective: the peer exited or was killed
 PEER_LOST_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 RENDEZVOUS = "the rendezvous (init_process_group)"

@@ -5,8 +5,9 @@ all-reduce whose result is added to the residual stream and normalised by the ne
 RMSNorm. ``all_reduce_add_rms_norm`` is that chain as one op, so a target with a fused
 kernel (vLLM's one-shot all-reduce + RMSNorm) can write the norm while the reduced rows
 are still in registers. Its reference is exactly the unfused chain: torch.distributed's
-functional all_reduce, wait_tensor, then ``graphopt.add_rms_norm``; so it runs on any
-backend torch.distributed has (gloo on the CPU, nccl/rccl on GPUs).
+functional all_reduce, wait_tensor, then ``graphopt.add_rms_norm``; so it runs wherever that
+all_reduce runs. It has run on gloo (the CPU) only: graphopt's launcher starts gloo ranks, and
+no NCCL or RCCL group has run it.
 
 Not listed in ``graphopt.ops.OPS``: that table is the catalogue every single-device target
 (ONNX Runtime, TensorRT) promises to lower, and none of them can run a collective; they run

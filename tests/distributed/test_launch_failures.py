@@ -115,6 +115,9 @@ def test_root_cause_first():
 def test_gloo_errors_are_classified_by_their_text():
     assert describe(0, RuntimeError(GLOO_TIMEOUT), initialised=True).kind == "timeout"
     assert describe(0, RuntimeError(GLOO_PEER_LOST), initialised=True).kind == "peer_lost"
+    # what a rank's next collective says once its timeout closed gloo's pairs (a target that
+    # falls back and runs the graph again meets it)
+    assert describe(0, RuntimeError("Application timeout caused pair closure"), initialised=True).kind == "timeout"
     rendezvous = describe(0, dist.DistStoreError("Timed out after 61 seconds waiting for clients. 1/2 clients joined."),
                           initialised=False)
     assert (rendezvous.kind, rendezvous.collective) == ("timeout", RENDEZVOUS)
