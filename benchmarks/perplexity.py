@@ -92,12 +92,18 @@ VARIANTS = ("fp32", "ort-rtn", "rtn-head32", "rtn", "gptq", "gptq-noact-text", "
 CALIBRATION_TOPICS = ("execmodel", "compound", "specialnames", "types")
 
 
+def calibration_ids(tokenizer, tokens: int) -> list[int]:
+    """The first ``tokens`` token ids of each CALIBRATION_TOPICS section, one after another."""
+    from pydoc_data import topics
+
+    return [t for key in CALIBRATION_TOPICS for t in tokenizer(topics.topics[key]).input_ids[:tokens]]
+
+
 def texts(tokenizer, tokens: int, calibration_tokens: int) -> tuple[torch.Tensor, list[int], str]:
     from pydoc_data import topics
 
     ids = tokenizer(topics.topics["objects"], return_tensors="pt").input_ids[:, :tokens]
-    calibration = [t for key in CALIBRATION_TOPICS for t in tokenizer(topics.topics[key]).input_ids[:calibration_tokens]]
-    return ids, calibration, f"{topics.__file__} ['objects'], {ids.shape[1]} tokens"
+    return ids, calibration_ids(tokenizer, calibration_tokens), f"{topics.__file__} ['objects'], {ids.shape[1]} tokens"
 
 
 def graphopt_options(variant: str, calibration: list[int], budget: float) -> dict | None:
@@ -114,14 +120,39 @@ def graphopt_options(variant: str, calibration: list[int], budget: float) -> dic
     }.get(variant)
 
 
-def ort_rtn(fp32_path: Path, out: Path) -> None:
-    import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+def ort_rtn(fp32_path: Path, out: Path, *, symmetric: bool = True, block_size: int = 32,
+            algorithm: str = "rtn") -> float:
+    """ONNX Runtime's own INT4 quantizer on the fp32 file: ``MatMulNBitsQuantizer`` with its
+    default algorithm (MLAS round-to-nearest, uint8 zero points when asymmetric) or ``"hqq"``
+    (half-quadratic optimisation of scale and zero point; float zero points). Returns the
+    quantizer's wall seconds (load and save excluded)."""
+    import logging
 
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    # The quantizer turns the root logger to INFO on import: a line per node otherwise.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
     model = onnx.load(str(fp32_path))
-    quantizer = MatMulNBitsQuantizer(model, block_size=32, is_symmetric=True, accuracy_level=4)
+    config = HQQWeightOnlyQuantConfig(block_size=block_size) if algorithm == "hqq" else None
+    quantizer = MatMulNBitsQuantizer(model, block_size=block_size, is_symmetric=symmetric, accuracy_level=4,
+                                     algo_config=config)
+    start = time.perf_counter()
     quantizer.process()
-    quantizer.model.save_model_to_file(str(out), use_external_data_format=False)
+    seconds = time.perf_counter() - start
+    # a fp32 embedding table left beside the codes can pass protobuf's 2 GB: then external data
+    quantizer.model.save_model_to_file(str(out), use_external_data_format=quantizer.model.model.ByteSize() > 1 << 30)
+    return seconds
+
+
+def export_variant(loaded, path: Path, options: dict | None) -> tuple[float, dict | None]:
+    """graphopt's export of ``loaded`` to ``path`` (INT4 with ``options``, fp32 when None):
+    the quantize_int4 pass's wall seconds (calibration run included; 0 for fp32) and its summary."""
+    config = Options(pass_options={"quantize_int4": options} if options else {})
+    result = export_model(loaded.module, loaded.example_inputs, path, config=config, int4=options is not None,
+                          validate_model=False, force=True)
+    seconds = sum(r["time_ms"] for r in result.passes if r["name"] == "quantize_int4") / 1e3
+    return seconds, int4_summary({"passes": result.passes})
 
 
 def weight_bytes(path: Path) -> dict | None:
@@ -130,13 +161,17 @@ def weight_bytes(path: Path) -> dict | None:
     return OnnxModel(ir.load(str(path)), [], []).int4_weights()
 
 
-def run(path: Path, ids: torch.Tensor) -> torch.Tensor:
+def session(path: Path):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = torch.get_num_threads()
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    return torch.from_numpy(session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0])
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run(path_or_session, ids: torch.Tensor) -> torch.Tensor:
+    s = session(path_or_session) if isinstance(path_or_session, (str, Path)) else path_or_session
+    return torch.from_numpy(s.run(None, {s.get_inputs()[0].name: ids.numpy()})[0])
 
 
 def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
@@ -182,11 +217,7 @@ def main() -> None:
         if variant == "ort-rtn":
             ort_rtn(folder / "fp32.onnx", path)
         elif not path.exists():
-            options = graphopt_options(variant, calibration, args.budget)
-            config = Options(pass_options={"quantize_int4": options} if options else {})
-            result = export_model(loaded.module, loaded.example_inputs, path, config=config,
-                                  int4=options is not None, validate_model=False, force=True)
-            summary = int4_summary({"passes": result.passes})
+            _, summary = export_variant(loaded, path, graphopt_options(variant, calibration, args.budget))
             if summary:  # each layer's bits and errors, kept beside the file; the 8-bit ones printed
                 path.with_suffix(".layers.json").write_text(json.dumps(summary["layers"], indent=1))
                 eight = [layer["name"] for layer in summary["layers"] if layer.get("bits") == 8]
