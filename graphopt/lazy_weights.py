@@ -10,7 +10,9 @@ The link from a fake tensor to its source is its storage: torch.export and the f
 freezing make new tensor objects (``detach``, views) but keep the storage, so any tensor that
 shares a registered storage finds its source, and a view (a slice of a tied table) reads the
 matching part of it. A pass that computes a new weight from fake ones (a QKV merge's
-``cat``) calls ``derive``, which records the computation as the new tensor's source.
+``cat``) calls ``derive``, which records the computation as the new tensor's source; one that
+computes several (INT4 codes, scales and zero points of one weight) calls ``derive_each``:
+the first read computes them all from the weight, and each is kept only until it is read.
 
 A checkpoint that ships quantized weights gives sources two more methods: ``block_format()``
 (cheap: the ``BlockFormat`` its codes take, or None) and ``block_quantized()`` (the weight as
@@ -21,6 +23,7 @@ file's own codes instead of a float weight.
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -113,6 +116,50 @@ def derive(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], *ar
         raise ValueError("derive: a fake part has no source")
     _SOURCES[_key(result)] = (_Derived(fn, parts, args, kwargs, tuple(result.shape), result.dtype), result)
     return result
+
+
+def derive_each(fn: Callable[..., Sequence[torch.Tensor | None]], tensors: Sequence[torch.Tensor],
+                results: Sequence[torch.Tensor | None]) -> None:
+    """Link ``results`` (fake tensors that ``fn(*tensors)`` gave on the fake ``tensors``: its
+    shapes and dtypes) to ``fn`` run on the tensors' data. Reading any of them runs ``fn`` once
+    and keeps the other results until each is read (the writer of a model's weights reads a
+    weight's parts one after another), so one weight's worth is in memory at a time."""
+    parts = [source_of(t) if is_lazy(t) else _Real(t) for t in tensors]
+    if any(p is None for p in parts):
+        raise ValueError("derive_each: a fake input has no source")
+    shared = _Shared(fn, parts, sum(r is not None for r in results))
+    for index, result in enumerate(results):
+        if result is not None:
+            _SOURCES[_key(result)] = (_SharedPart(shared, index, tuple(result.shape), result.dtype), result)
+
+
+class _Shared:
+    """``fn`` on its parts' data, computed at the first read and dropped once every result was read."""
+
+    def __init__(self, fn, parts, wanted: int) -> None:
+        self.fn, self.parts, self.wanted = fn, parts, wanted
+        self.lock = threading.Lock()  # the ONNX writer reads initializers on several threads
+        self.values: list | None = None
+        self.unread: set[int] = set()
+
+    def take(self, index: int) -> torch.Tensor:
+        with self.lock:
+            if self.values is None or index not in self.unread:  # first read, or read again later
+                self.values = list(self.fn(*[p.load() for p in self.parts]))
+                self.unread = {i for i, v in enumerate(self.values) if v is not None}
+            value = self.values[index]
+            self.unread.discard(index)
+            if not self.unread:
+                self.values = None
+            return value
+
+
+class _SharedPart:
+    def __init__(self, shared: _Shared, index: int, shape, dtype) -> None:
+        self.shared, self.index, self.shape, self.dtype = shared, index, shape, dtype
+
+    def load(self) -> torch.Tensor:
+        return self.shared.take(self.index)
 
 
 class _Real:
@@ -231,3 +278,19 @@ def load_constants(gm: torch.fx.GraphModule) -> int:
             holder._buffers[attr] = materialize(tensor)
             count += 1
     return count
+
+
+def calibrates(options: Any) -> str | None:
+    """Why a pipeline under ``options`` (graphopt ``Options``) reads weights' data while it
+    compiles, which lazy weights cannot give (--int4's GPTQ search and its byte budget run the
+    graph on calibration inputs), or None. ``quantize_int4``'s RTN quantizes a lazy weight as it
+    is written instead."""
+    if not (options.int4 or "quantize_int4" in options.pipeline):
+        return None
+    int4 = dict(options.pass_options.get("quantize_int4") or {})
+    if int4.get("budget"):
+        return "--int4-budget measures each layer's error on the weights"
+    if int4.get("search", "gptq") == "gptq":
+        return ("--int4's GPTQ calibrates on the weights (to stream them instead: "
+                "--option 'pass_options={\"quantize_int4\": {\"search\": \"rtn\"}}')")
+    return None

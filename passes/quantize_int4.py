@@ -61,7 +61,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt import ir
+from graphopt import ir, lazy_weights
 from graphopt.ops.quant import GROUP_SIZES
 from graphopt.pass_manager import PassContext, PassResult
 from graphopt.passes import _quantize_embedding, _quantize_moe
@@ -254,6 +254,11 @@ class QuantizeInt4(PatternPass):
             return {}, "none"
         h: dict = {}
         calibration = "none"
+        if (options.search == "gptq" or options.budget) and any(
+                lazy_weights.is_lazy(ir.get_constant(m.weight)) for m in matches.values()):
+            raise ValueError("GPTQ and an --int4-budget calibrate on the weights' data, which is still in the "
+                             "checkpoint: load the weights (graphopt.lazy_weights.materialize_module) or quantize "
+                             "with search=rtn")
         if options.search == "gptq" or options.budget:
             inputs = quant_plan.calibration_inputs(gm, ctx.example_inputs, options.calibration)
             if inputs:
@@ -305,14 +310,19 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
     search = options.search if h is not None or options.search != "gptq" else "rtn"
     h, tokens = h if h is not None else (None, None)
 
-    def quantize(b: int) -> Int4Weight:
+    def quantize(b: int, weight: torch.Tensor = w) -> Int4Weight:
         if b == 8:
-            return groupwise.quantize_int8(w, options.group_8bit(w.shape[1]), dtype, h if search == "gptq" else None,
-                                              tokens, options.act_order)
-        return groupwise.quantize_int4(w, options.group_size, options.symmetric, dtype, search, h, tokens,
+            return groupwise.quantize_int8(weight, options.group_8bit(w.shape[1]), dtype,
+                                              h if search == "gptq" else None, tokens, options.act_order)
+        return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
                                           options.act_order)
 
     q = quantize(bits)
+    if lazy_weights.is_lazy(w):
+        # Still in its checkpoint: quantized from the file when the runtime's weights are written,
+        # one weight at a time (calibration and a budget need the data now: the caller loads it).
+        lazy_weights.derive_each(lambda real: _fields(quantize(bits, real)), [w], _fields(q))
+        return q, _layer_record(name, w, q, options, m.weight.target, search, None)
     record = _layer_record(name, w, q, options, m.weight.target, search, h)
     if both and bits != 8:
         q8 = quantize(8)
@@ -326,6 +336,10 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
         record.update(_q4=q, _q8=q, bytes4=q.nbytes, bytes8=q.nbytes, rel_error4=record["rel_error"],
                       rel_error8=record["rel_error"], error4=error, error8=error)
     return q, record
+
+
+def _fields(q: Int4Weight) -> tuple:
+    return q.packed, q.scales, q.zeros
 
 
 def _constant(gm: fx.GraphModule, name: str, suffix: str, tensor: torch.Tensor | None) -> fx.Node | None:
@@ -346,7 +360,7 @@ def _layer_record(name: str, w: torch.Tensor, q: Int4Weight, options: Int4Option
         "symmetric": options.symmetric or q.bits == 8,
         "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
         "search": search,
-        "rel_error": relative_error(w, q),
+        "rel_error": None if lazy_weights.is_lazy(w) else relative_error(w, q),  # lazy: known once written
         # share of the layer's output energy on the calibration activations that changed
         "output_error": gptq.output_error(w, q.dequantize(), h) if h is not None else None,
         "bytes_before": w.numel() * w.element_size(),

@@ -72,7 +72,7 @@ def summarize_layers(layers: list[dict[str, Any]]) -> dict[str, Any]:
     before = sum(layer["bytes_before"] for layer in distinct)
     fp32 = sum(layer["bytes_fp32"] for layer in distinct)
     after = sum(layer["bytes_after"] for layer in distinct)
-    errors = [layer["rel_error"] for layer in distinct]
+    errors = [layer["rel_error"] for layer in distinct if layer["rel_error"] is not None]  # None: a lazy weight
     return {
         "quantized_weights": len(distinct),
         "weight_bytes_before": before,
@@ -91,7 +91,7 @@ def layer_rows(summary: dict[str, Any]) -> list[list[Any]]:
     for a table (output_error: share of the layer's output changed on the calibration
     activations, "-" when the pass did not calibrate)."""
     return [[layer["name"], "x".join(map(str, layer["shape"])), layer.get("bits", 4), layer["group_size"],
-             layer["symmetric"], round(layer["rel_error"], 5),
+             layer["symmetric"], "-" if layer["rel_error"] is None else round(layer["rel_error"], 5),
              "-" if layer.get("output_error") is None else round(layer["output_error"], 6),
              layer["bytes_before"], layer["bytes_after"]]
             for layer in summary["layers"]]

@@ -1,9 +1,10 @@
 """What a model file is before anything is built from it, without importing torch.
 
-``load_checkpoint`` turns a spec into a ``Checkpoint`` (a ``.gguf`` run on its own weights:
-its identity for the decoder cache, a ``build()`` for targets that need the module, and the
-memory check of ``gguf_needs``). A warm ``graphopt generate model.gguf`` goes from here to a
-kept decoder with no torch in the process.
+``load_checkpoint`` turns a spec into a ``Checkpoint`` (a ``.gguf`` run on its own weights, or a
+Hugging Face directory of ``config.json`` and ``*.safetensors``: its identity for the decoder
+cache, a ``build()`` for targets that need the module, whose weights stay in the files until a
+runtime writes them, and a memory check). A warm ``graphopt generate model.gguf`` (or ``DIR``)
+goes from here to a kept decoder with no torch in the process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from graphopt.errors import ModelLoadError
 from graphopt.generation.checkpoint import Checkpoint
 from graphopt.sources.gguf_file import file_identity
 from graphopt.sources.gguf_needs import check_memory, gguf_packages
+from graphopt.sources.safetensors_file import SafetensorsFormatError, checkpoint_files, float32_bytes, folder_identity
 
 
 def load_checkpoint(spec: str, dtype: str = "float32") -> Checkpoint | None:
@@ -22,7 +24,40 @@ def load_checkpoint(spec: str, dtype: str = "float32") -> Checkpoint | None:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return gguf_checkpoint(path, dtype)
+    if path.is_dir() and (path / "config.json").is_file() and checkpoint_files(path):
+        return safetensors_checkpoint(path, dtype)
     return None
+
+
+def safetensors_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
+    """The directory as a ``Checkpoint``: ``build()`` makes the causal LM with its weights left
+    in the files (``safetensors_lazy``), converted to ``dtype`` one tensor at a time as they are
+    written; a pipeline that calibrates on the weights (--int4's GPTQ) loads them first."""
+    files = checkpoint_files(path)
+    try:
+        identity = f"safetensors;{folder_identity(path, files)};torch.{dtype}"
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
+
+    def check_memory() -> None:
+        from graphopt.memory import RUNTIME_BYTES, check_fits
+
+        try:
+            needed = float32_bytes(files) if dtype == "float32" else sum(f.stat().st_size for f in files)
+        except SafetensorsFormatError as exc:
+            raise ModelLoadError(f"{exc}; re-save the checkpoint") from None
+        check_fits(needed + RUNTIME_BYTES, f"{path.name} in {dtype}")
+
+    return Checkpoint(identity, lambda: _build_folder(path, dtype), str(path), check_memory=check_memory,
+                      load_to_calibrate=True)
+
+
+def _build_folder(path: Path, dtype: str):
+    import torch
+
+    from graphopt.sources.load import load_model
+
+    return load_model(str(path), single_output=False, dtype=getattr(torch, dtype), stream_weights=True).module
 
 
 def gguf_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:

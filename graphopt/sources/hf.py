@@ -99,22 +99,27 @@ def _is_causal(transformers: Any, config: Any) -> bool:
 
 def hf_model(
     name: str, config: Any, weights: list[Path], seed: int, batch: int, seq_len: int, single: bool,
-    dtype: torch.dtype,
+    dtype: torch.dtype, stream: bool = False,
 ) -> LoadedModel:
+    """``stream``: the weights stay in their files (``safetensors_lazy``) until a runtime writes
+    them, one tensor at a time; otherwise they are copied into the model here."""
     transformers = import_transformers()
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{name} is an encoder-decoder model; graphopt loads decoders and encoders only")
     causal = _is_causal(transformers, config)
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
-    try:
-        # A private RNG stream: seeded weights without moving the caller's global RNG.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = auto.from_config(config, dtype=dtype)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot build {name} from its config ({first_line(exc)}); check the config") from None
-    if weights:
-        _load_safetensors(model, weights)
+    notes: list[str] = []
+    model = _streamed(name, auto, config, weights, dtype, notes) if stream and weights else None
+    if model is None:
+        try:
+            # A private RNG stream: seeded weights without moving the caller's global RNG.
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = auto.from_config(config, dtype=dtype)
+        except Exception as exc:
+            raise ModelLoadError(f"cannot build {name} from its config ({first_line(exc)}); check the config") from None
+        if weights:
+            _load_safetensors(model, weights)
     model.eval()
     max_len = getattr(config, "max_position_embeddings", None)
     if max_len is not None and seq_len > max_len:
@@ -124,7 +129,30 @@ def hf_model(
     inputs = (input_ids,) if causal else (input_ids, torch.ones(batch, seq_len, dtype=torch.long))
     field = "logits" if causal else "last_hidden_state"
     module = OutputOnly(model, field, causal).eval() if single else model
-    return LoadedModel(name, module, inputs, "hf-causal-lm" if causal else "hf-encoder")
+    return LoadedModel(name, module, inputs, "hf-causal-lm" if causal else "hf-encoder", notes)
+
+
+def _streamed(name: str, auto: Any, config: Any, weights: list[Path], dtype: torch.dtype, notes: list[str]):
+    """The model with lazy weights read from ``weights``, or None (with a note saying why) when
+    the checkpoint must load in memory, whose errors and warnings then say what is wrong."""
+    from graphopt.sources.safetensors_lazy import SafetensorsFormatError, lazy_checkpoint
+
+    try:
+        lazy = lazy_checkpoint(name, auto, config, weights, dtype)
+    except SafetensorsFormatError as exc:
+        raise ModelLoadError(f"{exc}; re-save the checkpoint") from None
+    except ValueError as exc:  # a tensor of another shape than its parameter's
+        raise ModelLoadError(first_line(exc)) from None
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read the weights of {name} ({exc.strerror}); check their permissions") from None
+    except Exception as exc:  # a config transformers builds only with real weights
+        lazy = f"it cannot be built on empty weights ({first_line(exc)})"
+    if isinstance(lazy, str):
+        notes.append(f"{name}'s weights load into memory: {lazy}")
+        log.warning("graphopt: %s", notes[-1])
+        return None
+    notes.extend(lazy.notes)
+    return lazy.model
 
 
 def _load_safetensors(model: nn.Module, files: list[Path]) -> None:

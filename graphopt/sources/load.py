@@ -5,7 +5,9 @@ A spec is one of:
 - a Hugging Face ``config.json``, or a directory holding one and no weights: the model is
   built from the config with seeded random weights, which is all a compiler needs to show
   what its passes do;
-- a checkpoint directory with ``config.json`` and ``*.safetensors`` weights;
+- a checkpoint directory with ``config.json`` and ``*.safetensors`` weights (with
+  ``stream_weights=True`` they stay in their files until a runtime writes them, one tensor at
+  a time: ``safetensors_lazy.py``);
 - a ``.gguf`` file (llama.cpp's format): by default the model runs on the file's own
   (quantized) weights, read when a runtime needs them; ``gguf_weights="dequantize"`` reads it
   transformers' way, dequantized to float (``gguf.py``);
@@ -67,6 +69,7 @@ def load_model(
     single_output: bool = True,
     dtype: torch.dtype = torch.float32,
     gguf_weights: str = "file",
+    stream_weights: bool = False,
 ) -> LoadedModel:
     """Load ``spec`` in eval mode on the CPU, with inputs of ``batch`` x ``seq_len`` tokens.
 
@@ -76,6 +79,9 @@ def load_model(
     a Hugging Face model its output object). A factory's module is used as it comes.
     ``gguf_weights``: "file" (a .gguf's own weights, left in the file until a runtime reads
     them) or "dequantize" (transformers' float model).
+    ``stream_weights``: a safetensors checkpoint's weights stay in its files (lazy, as a .gguf's
+    do) for a runtime that writes them itself (the ONNX exporter); the module then runs eagerly
+    only after ``graphopt.lazy_weights.materialize_module``.
     """
     if batch < 1 or seq_len < 1:
         raise ModelLoadError(f"batch ({batch}) and seq_len ({seq_len}) must be at least 1")
@@ -83,7 +89,7 @@ def load_model(
         return _builtin(spec, seed, batch, seq_len, single_output, dtype)
     path = Path(spec).expanduser()
     if path.exists():
-        return _from_path(path, seed, batch, seq_len, single_output, dtype, gguf_weights)
+        return _from_path(path, seed, batch, seq_len, single_output, dtype, gguf_weights, stream_weights)
     if ":" in spec and not _looks_like_path(spec):
         return from_factory(spec, seed, batch, seq_len)
     if _looks_like_path(spec):
@@ -113,7 +119,7 @@ def _builtin(name: str, seed: int, batch: int, seq_len: int, single: bool, dtype
 
 
 def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dtype: torch.dtype,
-               gguf_weights: str = "file") -> LoadedModel:
+               gguf_weights: str = "file", stream: bool = False) -> LoadedModel:
     if path.is_file():
         if path.suffix == ".gguf":
             return from_gguf(path, seed, batch, seq_len, single, dtype, gguf_weights)
@@ -135,4 +141,4 @@ def _from_path(path: Path, seed: int, batch: int, seq_len: int, single: bool, dt
             raise pickle_refusal(pickles[0])
         log.warning("%s has no weight files; building it with seeded random weights", path)
     config = read_config(config_path)
-    return hf_model(str(path), config, weights, seed, batch, seq_len, single, dtype)
+    return hf_model(str(path), config, weights, seed, batch, seq_len, single, dtype, stream)

@@ -344,6 +344,7 @@ def read_lazy_weights_when_written(model) -> int:
     from graphopt import lazy_weights
 
     count = 0
+    sources = {}
     for name, value in model.graph.initializers.items():
         raw = getattr(value.const_value, "raw", None)
         if not lazy_weights.is_lazy(raw):
@@ -354,8 +355,47 @@ def read_lazy_weights_when_written(model) -> int:
                                   "graphopt.lazy_weights.derive")
         value.const_value = ir.LazyTensor(functools.partial(_read_source, source, tuple(raw.shape)),
                                           dtype=value.const_value.dtype, shape=ir.Shape(tuple(raw.shape)), name=name)
+        sources[name] = source
         count += 1
+    _transpose_when_written(model, sources)
     return count
+
+
+def _transpose_when_written(model, sources: dict) -> int:
+    """``Transpose(W)`` of a lazily read weight (a linear's ``W^T``) becomes an initializer read
+    transposed when written: the cleanup's constant folding would otherwise compute every
+    weight's transpose at once and hold them all (a float checkpoint's whole model in memory)."""
+    import onnx_ir as ir
+
+    done = 0
+    for node in list(model.graph):
+        weight = node.inputs[0] if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") else None
+        if weight is None or weight.name not in sources or node.outputs[0].is_graph_output():
+            continue
+        tensor = weight.const_value
+        perm = node.attributes.get("perm")
+        perm = tuple(perm.as_ints()) if perm is not None else tuple(reversed(range(len(tensor.shape))))
+        shape = tuple(tensor.shape[i] for i in perm)
+        name = f"{weight.name}_transposed"
+        read = functools.partial(_read_permuted, sources[weight.name], perm, shape)
+        value = ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(tensor.dtype),
+                         const_value=ir.LazyTensor(read, dtype=tensor.dtype, shape=ir.Shape(shape), name=name))
+        model.graph.register_initializer(value)
+        ir.convenience.replace_all_uses_with(node.outputs[0], value)
+        model.graph.remove(node, safe=True)
+        if not weight.uses():
+            model.graph.initializers.pop(weight.name)
+        done += 1
+    return done
+
+
+def _read_permuted(source, perm: tuple[int, ...], shape: tuple[int, ...]):
+    import onnx_ir as ir
+
+    tensor = source.load().permute(perm).contiguous()
+    if tuple(tensor.shape) != shape:
+        raise OnnxExportError(f"a lazy weight read as {tuple(tensor.shape)}, declared {shape}")
+    return ir.Tensor(tensor.numpy())
 
 
 @contextlib.contextmanager

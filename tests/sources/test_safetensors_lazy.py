@@ -1,0 +1,208 @@
+"""A safetensors checkpoint directory with its weights left in the files (safetensors_lazy): the
+model is built on fake weights, and the ONNX exporter reads each tensor from the file as it writes
+it. The exported model gives the eager model's logits, no more than a few tensors are ever read
+at once, a checkpoint's own dtype is kept where it is asked for, and --int4 (round-to-nearest)
+quantizes each weight as it is written, to the same codes as the in-memory path."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import pytest
+import torch
+
+from graphopt import lazy_weights
+from graphopt.config import Options
+from graphopt.errors import ModelLoadError
+from graphopt.sources import load_checkpoint, load_model
+from graphopt.sources import safetensors_lazy
+from graphopt.sources.safetensors_file import read_header
+
+transformers = pytest.importorskip("transformers")
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+LAYERS = 4
+RTN = {"quantize_int4": {"search": "rtn"}}
+
+
+def save(folder, kind: str, dtype: torch.dtype):
+    """A tiny Llama (untied head) or Qwen2 (tied head, q/k/v biases) in ``dtype``, as save_pretrained writes it."""
+    common = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = (transformers.LlamaConfig(**common, tie_word_embeddings=False) if kind == "llama"
+              else transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # trained-like norms, not all ones
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    model.to(dtype).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("llama_bf16"), "llama", torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def qwen_fp32(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("qwen_fp32"), "qwen2", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def qwen_fp16(tmp_path_factory):
+    return save(tmp_path_factory.mktemp("qwen_fp16"), "qwen2", torch.float16)
+
+
+def eager_logits(folder, ids: torch.Tensor) -> np.ndarray:
+    """The model as transformers loads it (every weight in memory), in float32."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.numpy()
+
+
+def export(loaded, path, config: Options | None = None, **kwargs):
+    from graphopt.export.model import export_model
+
+    return export_model(loaded.module, loaded.example_inputs, str(path), config=config or Options.parse({}),
+                        input_names=["input_ids"], output_names=["logits"], validate_model=False, **kwargs)
+
+
+def run_onnx(path, ids: torch.Tensor) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, {"input_ids": ids.numpy()})[0]
+
+
+def initializers(path) -> dict[str, np.ndarray]:
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 150, 7, 64], [1, 2, 3, 4, 5, 6, 7, 8]])
+
+
+@pytest.mark.parametrize("fixture", ["llama_bf16", "qwen_fp32"])
+def test_the_streamed_export_gives_the_eager_models_logits(fixture, request, tmp_path):
+    folder = request.getfixturevalue(fixture)
+    loaded = load_model(str(folder), batch=2, seq_len=8, stream_weights=True)
+    assert lazy_weights.has_lazy_weights(loaded.module)
+    assert not any(p.device.type == "meta" for p in loaded.module.parameters())
+    export(loaded, tmp_path / "m.onnx")
+    got, want = run_onnx(tmp_path / "m.onnx", IDS), eager_logits(folder, IDS)
+    # float32 throughout (a bf16 file is widened exactly); the fused ops reorder sums: 1e-4 relative
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_building_reads_no_weight_and_the_export_reads_a_few_at_a_time(llama_bf16, tmp_path, monkeypatch):
+    """Each tensor read from the file is watched until it is freed: the writer holds a handful at
+    once (it writes on up to 4 threads), never the model's 39."""
+    alive: list[weakref.ref] = []
+    most = [0]
+    reads = []
+    load = safetensors_lazy.SafetensorsTensor.load
+
+    def watched(self):
+        tensor = load(self)
+        alive[:] = [r for r in alive if r() is not None]
+        alive.append(weakref.ref(tensor))
+        most[0] = max(most[0], len(alive))
+        reads.append(self.key)
+        return tensor
+
+    monkeypatch.setattr(safetensors_lazy.SafetensorsTensor, "load", watched)
+    loaded = load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True)
+    assert reads == []  # built on fake weights
+    tensors = len(read_header(llama_bf16 / "model.safetensors"))
+    assert tensors == 9 * LAYERS + 3
+    export(loaded, tmp_path / "m.onnx")
+    assert sorted(set(reads)) == sorted(read_header(llama_bf16 / "model.safetensors"))
+    assert most[0] <= 6 < tensors
+
+
+def test_a_half_checkpoint_keeps_its_bytes_when_asked_for_its_dtype(qwen_fp16, llama_bf16, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(str(qwen_fp16 / "model.safetensors"), framework="pt") as handle:
+        table = handle.get_tensor("model.embed_tokens.weight")
+        down = handle.get_tensor("model.layers.0.mlp.down_proj.weight")
+    loaded = load_model(str(qwen_fp16), batch=2, seq_len=8, dtype=torch.float16, stream_weights=True)
+    export(loaded, tmp_path / "m.onnx")
+    values = initializers(tmp_path / "m.onnx")
+    halves = [v for v in values.values() if v.dtype == np.float16]
+    assert halves and not any(v.dtype == np.float32 and v.ndim == 2 for v in values.values())
+    assert any(v.shape == table.shape and np.array_equal(v, table.numpy()) for v in halves)  # the file's bytes
+    assert any(np.array_equal(v, down.numpy().T) for v in halves)  # a MatMul's [K, N], the same halves
+    got, want = run_onnx(tmp_path / "m.onnx", IDS), eager_logits(qwen_fp16, IDS)
+    np.testing.assert_allclose(got.astype(np.float32), want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    # bf16: ONNX Runtime's CPU provider has no bf16 MatMul, so only the source keeps it: the file's words
+    model = load_model(str(llama_bf16), dtype=torch.bfloat16, single_output=False, stream_weights=True).module
+    weight = lazy_weights.materialize(model.model.layers[1].self_attn.q_proj.weight)
+    with safe_open(str(llama_bf16 / "model.safetensors"), framework="pt") as handle:
+        stored = handle.get_tensor("model.layers.1.self_attn.q_proj.weight")
+    assert weight.dtype == torch.bfloat16 and torch.equal(weight.view(torch.int16), stored.view(torch.int16))
+
+
+@pytest.mark.parametrize("fixture", ["llama_bf16", "qwen_fp32"])
+def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, request, tmp_path):
+    folder = request.getfixturevalue(fixture)
+    config = Options.parse({"pass_options": RTN})
+    streamed = load_model(str(folder), batch=2, seq_len=8, stream_weights=True)
+    in_memory = load_model(str(folder), batch=2, seq_len=8)
+    assert not lazy_weights.has_lazy_weights(in_memory.module)
+    lazy_result = export(streamed, tmp_path / "lazy.onnx", config=config, int4=True)
+    export(in_memory, tmp_path / "whole.onnx", config=config, int4=True)
+    assert not lazy_result.fallbacks
+    lazy, whole = initializers(tmp_path / "lazy.onnx"), initializers(tmp_path / "whole.onnx")
+    assert sorted(lazy) == sorted(whole)
+    quantized = [n for n, v in lazy.items() if v.dtype == np.uint8]
+    assert len(quantized) == 4 * LAYERS + 1  # every linear's codes (q/k/v and gate/up merged), the head
+    for name in lazy:
+        assert np.array_equal(lazy[name], whole[name]), name
+    assert np.array_equal(run_onnx(tmp_path / "lazy.onnx", IDS), run_onnx(tmp_path / "whole.onnx", IDS))
+
+
+def test_gptq_needs_the_weights_and_says_how_to_stream(llama_bf16, tmp_path):
+    loaded = load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True)
+    result = export(loaded, tmp_path / "m.onnx", int4=True)
+    reasons = [f["reason"] for f in result.fallbacks if f["where"] == "pass:quantize_int4"]
+    assert reasons and "search=rtn" in reasons[0]
+    assert lazy_weights.calibrates(Options.parse({"int4": True})) is not None
+    assert lazy_weights.calibrates(Options.parse({"int4": True, "pass_options": RTN})) is None
+    assert lazy_weights.calibrates(Options.parse({})) is None
+
+
+def test_a_checkpoint_directory_decodes_on_its_streamed_decoder(qwen_fp32, tmp_path, monkeypatch):
+    import graphopt
+
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path / "cache"))
+    checkpoint = load_checkpoint(str(qwen_fp32))
+    assert checkpoint is not None and checkpoint.identity.startswith("safetensors;")
+    ids = torch.tensor([[5, 9, 14, 3, 77]])
+    out = graphopt.generate(checkpoint, ids, 8, options={"target": "onnxruntime"})
+    assert out.target == "onnxruntime" and out.fallback is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen_fp32, dtype=torch.float32).eval()
+    want = model.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert out.token_ids(0) == want[0, ids.shape[1]:].tolist()
+
+
+def test_a_changed_weights_file_is_another_checkpoint(tmp_path):
+    folder = save(tmp_path / "m", "qwen2", torch.float32)
+    first = load_checkpoint(str(folder)).identity
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes())  # same bytes, a new modification time
+    assert load_checkpoint(str(folder)).identity != first
+
+
+def test_a_truncated_weights_file_is_one_line(tmp_path):
+    folder = save(tmp_path / "m", "qwen2", torch.float32)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    with pytest.raises(ModelLoadError, match="cut short") as info:
+        load_model(str(folder), stream_weights=True)
+    assert "\n" not in str(info.value) and "re-save the checkpoint" in str(info.value)
