@@ -17,6 +17,9 @@ a ``.gguf`` file, ``package.module:factory``) -> a module and inputs to run it o
 - ``transformers_attention``: transformers' sdpa attention traced without a mask where eager runs
   none (``mask_kept``, ``unmasked_sdpa``), for exports of any target.
 - ``gguf_needs``: what reading a ``.gguf`` needs (its packages, the memory it will take); no torch.
+- ``safetensors_file``: a checkpoint directory's ``*.safetensors`` headers, identity and size; no torch.
+- ``safetensors_lazy``: a safetensors checkpoint as a transformers model whose weights stay in
+  the files until a runtime writes them, one tensor at a time.
 - ``model_kind``: what kind of model a module is (a transformers causal LM, a module with an
   explicit cache like the built-in Llama, an encoder), decided once for every caller; no torch.
 
