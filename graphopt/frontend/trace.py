@@ -34,8 +34,8 @@ from torch._guards import TracingContext
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from graphopt import ir
-from graphopt.config import Options
-from graphopt.errors import BackendFailed, GraphoptError
+from graphopt.config import Options, fall_back
+from graphopt.errors import GraphoptError
 from graphopt.frontend import dynamo_reuse, repeated_layers
 from graphopt.frontend.dynamic_floats import (
     dynamic_float_inputs, dynamic_float_readers, name_dynamic_floats, specialize_float_attributes,
@@ -107,10 +107,7 @@ def compile_dynamo_graph(gm: fx.GraphModule, example_inputs: Sequence[Any], conf
     except (GraphoptError, RestartAnalysis):
         raise  # user errors, and dynamo's own control flow (it retraces and calls us again)
     except Exception as error:
-        if config.fallback == "error":
-            raise BackendFailed(f"graphopt frontend failed: {type(error).__name__}: {error}") from error
-        reason = f"{type(error).__name__}: {error}".splitlines()[0]
-        log.warning("graphopt: could not lower this graph to ATen (%s); running it eagerly", reason)
+        reason = fall_back(config, error, "frontend (lowering this graph to ATen)", "running this graph eagerly")
         report = CompileReport(target="eager", requested_target=config.target, frontend="dynamo", notes=notes)
         report.add_fallback("frontend", reason)
         record(report)

@@ -30,12 +30,12 @@ from graphopt.errors import GraphoptError
 from graphopt.generation.runner import positions, step_adapter
 from graphopt.ops.kv_cache import StaticCacheSpec, spec_of
 from graphopt.report import CompileReport, record
-from graphopt.targets import resolve_target
+from graphopt.targets import in_order_targets, resolve_target
 
 # Targets that run a graph's nodes in order, so an in-place kv_cache_update happens before
-# the attention that reads the cache. ONNX Runtime orders by data dependencies only; its
-# runner decodes with exported prefill and decode models instead (backends/onnxruntime/decoder/decoder.py).
-IN_PLACE_TARGETS = ("eager", "triton")
+# the attention that reads the cache (graphopt.targets' runs_in_order). ONNX Runtime orders by
+# data dependencies only; its runner decodes with its own decoder (backends/onnxruntime/decoder/decoder.py).
+IN_PLACE_TARGETS = in_order_targets()
 
 
 @dataclass
