@@ -55,9 +55,13 @@ def safetensors_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
 def _build_folder(path: Path, dtype: str):
     import torch
 
-    from graphopt.sources.load import load_model
+    from graphopt.sources.hf import hf_model, read_config
 
-    return load_model(str(path), single_output=False, dtype=getattr(torch, dtype), stream_weights=True).module
+    loaded = hf_model(str(path), read_config(path / "config.json"), checkpoint_files(path), 0, 1, 1, False,
+                      getattr(torch, dtype), stream=True)
+    if loaded.family != "hf-causal-lm":
+        raise ModelLoadError(f"{path} holds a {loaded.family} model; generating text needs a causal LM")
+    return loaded.module
 
 
 def gguf_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
