@@ -31,7 +31,7 @@ def run_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int, seed
              r["op_counts"].get("graphopt.qkv_proj", 0), r["op_counts"].get("graphopt.swiglu", 0),
              r["op_counts"].get("graphopt.attention", 0)] for r in result["ranks"]]
     console.print(table(
-        f"graphopt run {result['model']} --tp {tp} ({style}) vs the unsharded model",
+        f"graphopt run {result['model']} --tp {tp} ({style}, {BACKEND} on the CPU) vs the unsharded model",
         ["rank", "target", "relative error", "max abs error", "prefill ms", "in collectives",
          "all_reduce+add+rms_norm", "all_reduce left", "qkv_proj", "swiglu", "attention"], rows))
     for r in result["ranks"][:1]:
@@ -53,7 +53,7 @@ def generate_tp_cmd(spec: str, tp: int, options: dict, batch: int, seq_len: int,
     rows = [[r["rank"], r["target"], "yes" if r["tokens_match_tp1"] else f"no: from token {r['first_mismatch']}",
              r["ms_per_token_median"], r["tp1_eager_ms_per_token_median"], r["fallback"] or "-"]
             for r in result["ranks"]]
-    console.print(table(f"graphopt run {result['model']} --generate {tokens} --tp {tp} ({style})",
+    console.print(table(f"graphopt run {result['model']} --generate {tokens} --tp {tp} ({style}, {BACKEND} on the CPU)",
                         ["rank", "target", "tokens match TP=1", "ms/token (median)", "TP=1 eager ms/token",
                          "fallback"], rows))
 
@@ -74,15 +74,15 @@ def generate_text_tp_cmd(spec: str, tp: int, options: dict, prompts: list[str], 
     outputs = [{"prompt": p, "text": tokenizer.decode(ids, skip_special_tokens=True), "token_ids": ids}
                for p, ids in zip(prompts, first["token_ids"])]
     if json_out:
-        print_json({"tp": tp, "style": result["style"], "target": first["target"], "prefill_ms": first["prefill_ms"],
-                    "outputs": outputs, "tokens_match_tp1": result["tokens_match_tp1"], "ranks": result["ranks"]})
+        print_json({"tp": tp, "backend": result["backend"], "style": result["style"], "target": first["target"],
+                    "prefill_ms": first["prefill_ms"], "outputs": outputs, "tokens_match_tp1": result["tokens_match_tp1"], "ranks": result["ranks"]})
         return
     for item in outputs:
         console.print(item["prompt"] + item["text"], highlight=False, markup=False)
     rows = [[r["rank"], r["target"], "yes" if r["tokens_match_tp1"] else f"no: from token {r['first_mismatch']}",
              r["prefill_ms"], r["ms_per_token_median"], r["tp1_eager_ms_per_token_median"], r["fallback"] or "-"]
             for r in result["ranks"]]
-    console.print(table(f"graphopt generate {result['model']} --tp {tp} ({result['style']}), "
+    console.print(table(f"graphopt generate {result['model']} --tp {tp} ({result['style']}, {BACKEND} on the CPU), "
                         f"{max_new_tokens} new tokens at most",
                         ["rank", "target", "tokens match TP=1", "prefill ms", "ms/token (median)",
                          "TP=1 eager ms/token", "fallback"], rows))

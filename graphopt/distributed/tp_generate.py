@@ -74,9 +74,9 @@ def rank_generate(rank: int, world: int, spec: str, seed: int, batch: int, seq_l
 def generate_tp(spec: str, world: int, seed: int, batch: int, seq_len: int, tokens: int, options: dict,
                 style: str = "functional", threads: int = 1, prompt: Prompt | None = None,
                 timeout: float | None = None) -> dict[str, Any]:
-    from graphopt.distributed.launch import DEFAULT_TIMEOUT_S, spawn
+    from graphopt.distributed.launch import BACKEND, DEFAULT_TIMEOUT_S, spawn
 
     rows = spawn(rank_generate, world, spec, seed, batch, seq_len, tokens, options, style, prompt, threads=threads,
                  timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
-    return {"model": rows[0]["model"], "tp": world, "style": style,
+    return {"model": rows[0]["model"], "tp": world, "backend": BACKEND, "style": style,
             "tokens_match_tp1": all(r["tokens_match_tp1"] for r in rows), "ranks": rows}

@@ -88,13 +88,14 @@ def run_tp(spec: str, world: int, seed: int, batch: int, seq_len: int, options: 
            timeout: float | None = None) -> dict[str, Any]:
     """Launch ``world`` gloo ranks and gather their rows; ``timeout``: seconds a collective
     waits (the launcher's default when None)."""
-    from graphopt.distributed.launch import DEFAULT_TIMEOUT_S, spawn
+    from graphopt.distributed.launch import BACKEND, DEFAULT_TIMEOUT_S, spawn
 
     rows = spawn(rank_run, world, spec, seed, batch, seq_len, options, repeat, style, threads=threads,
                  timeout=DEFAULT_TIMEOUT_S if timeout is None else timeout)
     return {
         "model": rows[0]["model"],
         "tp": world,
+        "backend": BACKEND,
         "style": style,
         "rel_err": max(r["rel_err"] for r in rows),
         "ranks": rows,

@@ -37,7 +37,7 @@ def test_two_ranks_give_the_tokens_of_one(checkpoint):
     common = [str(checkpoint), *prompts, "-n", "6", "--target", "eager", "--json"]
     single = as_json(generate(*common))
     sharded = as_json(generate(*common, "--tp", "2"))
-    assert sharded["tp"] == 2 and len(sharded["ranks"]) == 2
+    assert sharded["tp"] == 2 and len(sharded["ranks"]) == 2 and sharded["backend"] == "gloo"
     assert sharded["tokens_match_tp1"], [(r["rank"], r["first_mismatch"]) for r in sharded["ranks"]]
     for rank in sharded["ranks"]:
         assert rank["target"] == "eager" and rank["fallback"] is None

@@ -9,6 +9,7 @@ after ``LIMIT_S`` instead of holding the suite: the launcher runs in a watched t
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -134,19 +135,29 @@ def test_gloo_errors_are_classified_by_their_text():
     assert died(1, 0).text == "exited with code 0 without returning its result"
 
 
-def test_tp_timeout_reaches_the_launcher(monkeypatch):
+def test_tp_timeout_reaches_the_launcher_and_the_output_names_the_backend(monkeypatch):
     seen = []
 
     def fake_spawn(fn, world, *args, threads=1, timeout=DEFAULT_TIMEOUT_S):
         seen.append(timeout)
-        raise RankFailed("rank 1: all_reduce timed out after 7 s waiting for rank 0", [])
+        return [{"rank": r, "model": "llama-tiny", "rel_err": 0.0, "tokens_match_tp1": True} for r in range(world)]
 
     monkeypatch.setattr(launch, "spawn", fake_spawn)
     for extra, expected in (([], DEFAULT_TIMEOUT_S), (["--tp-timeout", "7"], 7.0)):
         for generate in ([], ["--generate", "4"]):
-            result = CliRunner().invoke(app, ["run", "llama-tiny", "--tp", "2", *generate, *extra])
-            assert isinstance(result.exception, RankFailed), result.output
+            result = CliRunner().invoke(app, ["run", "llama-tiny", "--tp", "2", "--json", *generate, *extra])
+            assert result.exit_code == 0, result.output + repr(result.exception)
+            assert json.loads(result.stdout)["backend"] == "gloo"
             assert seen.pop() == expected
+
+
+def test_a_failed_rank_is_the_commands_one_line(monkeypatch):
+    def failing_spawn(fn, world, *args, threads=1, timeout=DEFAULT_TIMEOUT_S):
+        raise RankFailed(f"rank 1: all_reduce timed out after {timeout:g} s waiting for rank 0", [])
+
+    monkeypatch.setattr(launch, "spawn", failing_spawn)
+    result = CliRunner().invoke(app, ["run", "llama-tiny", "--tp", "2", "--tp-timeout", "7"])
+    assert str(result.exception) == "rank 1: all_reduce timed out after 7 s waiting for rank 0"
 
 
 def test_a_timeout_that_is_not_positive_is_refused():
