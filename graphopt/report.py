@@ -2,7 +2,8 @@
 
 ``CompileReport.to_dict()`` is a stable interface (the CLI's ``--json`` prints it):
 ``backend``, ``target``, ``passes`` (``name, matches, time_ms, nodes_before,
-nodes_after`` and more, in the order run), ``op_counts`` (graphopt ops named
+nodes_after`` and more, in the order run: the FX pipeline's, then those a target ran on its own
+form of the graph, e.g. ``onnx:tidy_attention_layout`` on an exported ONNX model, once per build), ``op_counts`` (graphopt ops named
 ``graphopt.<op>``), ``fallbacks`` (``where, reason``), ``off_target_ops`` (``op, count,
 reason, how``: each op the target decomposed or left to eager instead of running it), ``builds`` (``what, shapes,
 dynamic_dims, seconds``: every export, session or kernel a target built for this graph,
@@ -60,6 +61,12 @@ class CompileReport:
         with _lock:  # a lazy build may run on another thread than the reader
             self.builds.append({"what": what, "shapes": shapes, "dynamic_dims": list(dynamic_dims),
                                 "seconds": round(seconds, 4), **detail})
+
+    def record_target_passes(self, records: list[PassRecord], near_misses: list[NearMiss]) -> None:
+        """Passes a target ran on its own form of the graph (an ONNX model), reported as FX passes are."""
+        with _lock:  # a lazy build may run on another thread than the reader
+            self.passes.extend(records)
+            self.near_misses.extend(near_misses)
 
     def fused_op_counts(self) -> dict[str, int]:
         return {k: v for k, v in self.op_counts.items() if k.startswith("graphopt.")}

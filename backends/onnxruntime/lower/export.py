@@ -34,7 +34,8 @@ import torch
 import torch.fx as fx
 
 from graphopt.backends.onnxruntime.lower import direct_export, lowering, schemas
-from graphopt.backends.onnxruntime.onnx_passes import matmul_reshapes, onnx_cleanup
+from graphopt.backends.onnxruntime.onnx_passes import attention_layout, matmul_reshapes, onnx_cleanup
+from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassRun, run_onnx_passes
 from graphopt.backends.onnxruntime.errors import OnnxExportError, UnsupportedOp
 from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.ir import is_symbolic_size
@@ -64,6 +65,8 @@ class OnnxModel:
     # tensors: SymInts that no tensor input's size gives (``signatures.SizePlan.scalars``).
     scalar_inputs: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # how it was made (the frontend's layer stamping, ...)
+    # The ONNX-level passes run on it: their report records and near misses (onnx_passes/runner.py).
+    passes: OnnxPassRun = field(default_factory=OnnxPassRun)
 
     def op_histogram(self) -> dict[str, int]:
         """``{"com.microsoft::GroupQueryAttention": 8, "MatMul": 57, ...}`` over the main graph."""
@@ -305,7 +308,8 @@ def _translate_directly(prepared: fx.GraphModule, example_inputs: Sequence[Any],
 
 def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names, infer_types: bool,
             tidy_attention: bool, rewrite: bool, input_names=None, output_names=None) -> OnnxModel:
-    """What both routes do after translating: names, the layout tidy-up, cleanup, output dtypes."""
+    """What both routes do after translating: names, then the ONNX passes (the layout tidy-up,
+    cleanup, output dtypes), run and recorded by ``onnx_passes.runner``."""
     from torch.onnx._internal.exporter import _ir_passes
 
     read_lazy_weights_when_written(model)
@@ -313,26 +317,24 @@ def _finish(model, output_plan, output_dtypes, cached: int, route: str, *, names
         _ir_passes.rename_inputs(model, list(input_names))
     if output_names:
         _ir_passes.rename_outputs(model, list(output_names))
-    if tidy_attention:
-        from graphopt.backends.onnxruntime.onnx_passes.attention_layout import tidy_attention_layout
-
-        tidy_attention_layout(model)
-    matmul_reshapes.fold_flattened_matmuls(model)
-    if not rewrite:
-        onnx_cleanup.light_cleanup(model, infer_types)
-    if tidy_attention:
-        # Again, now that constants are folded: transformers' graphs build each head split's
-        # Reshape target from Shape/Concat nodes, which only the cleanup turns into the
+    tidy = [attention_layout.tidy_attention_layout_pass] if tidy_attention else []
+    passes = [
+        *tidy,
+        matmul_reshapes.fold_flattened_matmuls_pass,
+        *([onnx_cleanup.LightCleanup(infer_types)] if not rewrite else []),
+        # The tidy-up again, now that constants are folded: transformers' graphs build each head
+        # split's Reshape target from Shape/Concat nodes, which only the cleanup turns into the
         # constants the tidy-up reads (SmolLM2's prefill kept 7 Transposes per layer, its
         # decode step 4). The first pass matched on the trace's axis names, which the
         # cleanup's type inference renames, so each pass finds what the other cannot.
-        tidy_attention_layout(model)
-    onnx_cleanup.trim_unused_outputs(model)
-    onnx_cleanup.match_output_dtypes(model, output_dtypes)
-    if names:
-        onnx_cleanup.name_dynamic_axes(model, names)
+        *tidy,
+        onnx_cleanup.TrimUnusedOutputs(),
+        onnx_cleanup.MatchOutputDtypes(output_dtypes),
+        *([onnx_cleanup.NameDynamicAxes(names)] if names else []),
+    ]
+    done = run_onnx_passes(model, passes)
     return OnnxModel(model, [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs],
-                     list(output_plan), cached, route)
+                     list(output_plan), cached, route, passes=done)
 
 
 def read_lazy_weights_when_written(model) -> int:

@@ -1,5 +1,8 @@
-"""Rewrites of an exported ONNX model, after translation.
+"""Rewrites of an exported ONNX model, after translation: ONNX passes, each an object with a name,
+a summary and ``run(model) -> OnnxPassResult``, run and reported by ``runner``.
 
+- ``runner``: the ONNX pass protocol and ``run_onnx_passes``, which times each pass and gives
+  the report the records and near misses FX passes get (``onnx:<name>`` in ``report.passes``).
 - ``onnx_cleanup``: what every export gets: constants folded, dead nodes and unread optional
   outputs dropped, outputs cast back to eager's dtypes, dynamic axes named.
 - ``attention_layout``: attention's reshape/transpose round trips removed from an exported decoder.

@@ -139,7 +139,7 @@ def _canonical_sizes(graph) -> dict[str, tuple]:
     return sizes
 
 
-def tidy_attention_layout(model) -> dict[str, int]:
+def tidy_attention_layout(model, refusals: list | None = None) -> dict[str, int]:
     """Remove attention's layout round trips from ``model`` (onnx_ir, in place; see above):
 
     - each GroupQueryAttention's query, key and value read the [B, S, H*D] projection slices
@@ -151,8 +151,11 @@ def tidy_attention_layout(model) -> dict[str, int]:
       every layer's seqlens_k / total_sequence_length (and batch size) is one computation,
       merged by common subexpression elimination.
 
-    Returns counts of each rewrite. Shapes come from the export's metadata (torch.export's
-    fake tensors), so a value without one is left as it is."""
+    Returns counts of each rewrite; ``refusals`` (a list) gets a ``runner.Refusal`` for each
+    attention input behind a layout round trip that stays. Shapes come from the export's
+    metadata (torch.export's fake tensors), so a value without one is left as it is."""
+    from graphopt.backends.onnxruntime.onnx_passes.runner import Refusal
+
     import onnx_ir as ir
     from onnx_ir.passes.common import CommonSubexpressionEliminationPass, RemoveUnusedNodesPass
 
@@ -188,11 +191,22 @@ def tidy_attention_layout(model) -> dict[str, int]:
         for index in (0, 1, 2):
             value = node.inputs[index] if len(node.inputs) > index else None
             found = _bsh_source(value, allow_rope=index < 2) if value is not None else None
+            role = ("query", "key", "value")[index]
             if found is None:
+                producer = value.producer() if value is not None else None
+                if refusals is not None and producer is not None and producer.domain == "" \
+                        and producer.op_type in ("Reshape", "Transpose"):
+                    refusals.append(Refusal(node.name, f"{role}: its layout round trip holds a node other than "
+                                            "Reshape, Transpose, Identity, a whole Slice or one RotaryEmbedding, or "
+                                            "a shape is unknown"))
                 continue
             source, rope, chain = found
             if rope is not None and any(len(v.uses()) > 1 or v.is_graph_output() for v in chain[1:]):
-                continue  # the rotated BNSH value is needed anyway (a returned key): rotating twice costs more
+                # the rotated BNSH value is needed anyway (a returned key): rotating twice costs more
+                if refusals is not None:
+                    refusals.append(Refusal(node.name, f"{role}: the rotated value is also read elsewhere (a "
+                                            "returned key), so moving its RotaryEmbedding would rotate twice"))
+                continue
             if rope is not None:
                 attributes = [ir.Attr(a.name, a.type, a.value) for a in rope.attributes.values()]
                 moved = ir.Node(MS_DOMAIN, "RotaryEmbedding", [source, *rope.inputs[1:]], attributes,
@@ -234,3 +248,20 @@ def _set_dtype(value, *like) -> None:
     dtype = next((v.dtype for v in like if v is not None and v.dtype is not None), None)
     if dtype is not None:
         value.dtype = dtype
+
+
+class TidyAttentionLayout:
+    """``tidy_attention_layout`` as an ONNX pass (runner.py)."""
+
+    name = "tidy_attention_layout"
+    summary = "attention's reshape/transpose round trips removed; RotaryEmbedding reads [B, S, H*D]"
+
+    def run(self, model):
+        from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassResult
+
+        refusals: list = []
+        stats = tidy_attention_layout(model, refusals)
+        return OnnxPassResult(sum(stats.values()), stats, refusals)
+
+
+tidy_attention_layout_pass = TidyAttentionLayout()

@@ -42,10 +42,13 @@ def _unflattens(flat, x, out) -> bool:
             and all(dims_equal(a, b) for a, b in zip(x.shape[:-1], out.shape[:-1])))
 
 
-def fold_flattened_matmuls(model) -> int:
+def fold_flattened_matmuls(model, refusals: list | None = None) -> int:
     """Rewire each ``Reshape(x) -> MatMul -> Reshape`` whose Reshapes only flatten and unflatten
     the leading axes to ``MatMul(x)``; returns how many. The first Reshape stays while
-    anything else reads it (removed as unused otherwise)."""
+    anything else reads it (removed as unused otherwise). ``refusals`` (a list) gets a
+    ``runner.Refusal`` for each such sandwich whose Reshapes do more."""
+    from graphopt.backends.onnxruntime.onnx_passes.runner import Refusal
+
     from onnx_ir.passes.common import RemoveUnusedNodesPass
 
     graph = model.graph
@@ -64,6 +67,9 @@ def fold_flattened_matmuls(model) -> int:
             continue
         x, result = flatten.inputs[0], unflatten.outputs[0]
         if not _unflattens(matmul.inputs[0], x, result):
+            if refusals is not None:
+                refusals.append(Refusal(matmul.name, "the Reshapes around it do more than flatten and unflatten "
+                                        "the leading axes (or a shape is unknown)"))
             continue
         matmul.replace_input_with(0, x)
         out.shape = result.shape
@@ -75,3 +81,19 @@ def fold_flattened_matmuls(model) -> int:
     if folded:
         RemoveUnusedNodesPass()(model)
     return folded
+
+
+class FoldFlattenedMatmuls:
+    """``fold_flattened_matmuls`` as an ONNX pass (runner.py)."""
+
+    name = "fold_flattened_matmuls"
+    summary = "a projection's flatten/unflatten Reshapes around its MatMul removed"
+
+    def run(self, model):
+        from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassResult
+
+        refusals: list = []
+        return OnnxPassResult(fold_flattened_matmuls(model, refusals), {}, refusals)
+
+
+fold_flattened_matmuls_pass = FoldFlattenedMatmuls()

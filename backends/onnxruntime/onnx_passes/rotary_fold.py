@@ -230,3 +230,22 @@ def _pack_qkv(node) -> int:
     node.replace_input_with(1, None)
     node.replace_input_with(2, None)
     return 1
+
+
+class FoldRotaryIntoAttention:
+    """``fold_rotary_into_attention`` as an ONNX pass (runner.py), for a decoder whose
+    ``position_ids`` are absolute and at most ``positions`` long."""
+
+    name = "fold_rotary_into_attention"
+    summary = "q/k rotary moved into GroupQueryAttention (do_rotary) and q/k/v packed"
+
+    def __init__(self, positions: int) -> None:
+        self.positions = positions
+
+    def run(self, model):
+        from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassResult, Refusal
+
+        stats = dict(fold_rotary_into_attention(model, self.positions))
+        skipped = stats.pop("skipped", None)
+        return OnnxPassResult(int(stats.get("rotary", 0)) + int(stats.get("packed", 0)), stats,
+                              [Refusal("graph", skipped)] if skipped else [])

@@ -43,7 +43,7 @@ def tidied_pair(tmp_path_factory):
     prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0))
     untidy = tmp_path_factory.mktemp("untidy") / "model.onnx"
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(attention_layout, "tidy_attention_layout", lambda model: {})
+        patch.setattr(attention_layout, "tidy_attention_layout", lambda model, refusals=None: {})
         export_kv_cache(model, prompt, untidy, config=Options(), validate_model=False)
     before = [untidy.read_bytes(), decode_path(untidy).read_bytes()]
     path = tmp_path_factory.mktemp("pair") / "model.onnx"

@@ -209,3 +209,16 @@ def test_skips_a_biased_projection_that_cannot_be_packed(layout):
     model, node = _biased_qkv(**layout)
     assert rotary_fold._pack_qkv(node) == 0
     assert [x.name for x in node.inputs[:3]] == ["q", "k", "v"]
+
+
+def test_as_a_pass_a_skip_is_a_near_miss_with_its_reason():
+    from graphopt.backends.onnxruntime.onnx_passes.runner import run_onnx_passes
+
+    model, _ = _table_model(scaled_by_longest=False)
+    done = run_onnx_passes(model, [rotary_fold.FoldRotaryIntoAttention(16)])
+    (record,) = done.records
+    assert (record.name, record.status, record.matches, record.near_misses) == (
+        "onnx:fold_rotary_into_attention", "unchanged", 0, 1)
+    assert record.stats == {"matches": 0, "rotary": 0, "packed": 0}
+    (miss,) = done.near_misses
+    assert miss.anchor == "graph" and miss.reason.startswith("no GroupQueryAttention reads full-width")
