@@ -138,7 +138,7 @@ def _streamed(name: str, auto: Any, config: Any, weights: list[Path], dtype: tor
     from graphopt.sources.safetensors_lazy import SafetensorsFormatError, lazy_checkpoint
 
     try:
-        lazy = lazy_checkpoint(name, auto, config, weights, dtype)
+        lazy = lazy_checkpoint(auto, config, weights, dtype)
     except SafetensorsFormatError as exc:
         raise ModelLoadError(f"{exc}; re-save the checkpoint") from None
     except ValueError as exc:  # a tensor of another shape than its parameter's

@@ -1,7 +1,7 @@
 """A Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``) as a transformers
 model whose weights stay in their files until a runtime asks.
 
-``lazy_checkpoint(dir, config, files, dtype)`` builds the model from its config with fake
+``lazy_checkpoint(auto, config, files, dtype)`` builds the model from its config with fake
 parameters (``accelerate.init_empty_weights``: no memory), reads each file's header (the
 8-byte length and the JSON table of names, dtypes, shapes and byte ranges: a few kB), and links
 every parameter to its tensor in the file (``graphopt.lazy_weights``). A runtime that writes
@@ -12,8 +12,15 @@ follows the largest tensor, not the model.
 
 The mapping from checkpoint names to parameters is ``hf._load_safetensors``'s (a task-head
 checkpoint's ``bert.`` prefix dropped for a base model); a checkpoint that does not cover every
-parameter (a pooler it lacks, a tensor missing) is not built here: ``lazy_checkpoint`` says why, and the
-caller loads it the in-memory way, whose errors and warnings say what is wrong.
+parameter (a pooler it lacks, a tensor missing) is not built here: ``lazy_checkpoint`` says
+why, and the caller loads it the in-memory way, whose errors and warnings say what is wrong.
+
+What still reads every weight into memory: --int4's GPTQ search and its byte budget calibrate
+on the model's activations, so those options load the checkpoint as before and say so
+(``lazy_weights.calibrates``; RTN quantizes each weight as it is written); ``graphopt export``'s
+check against eager reads the weights into its reference graph (``--no-validate`` skips it);
+and ONNX Runtime's CPU provider has no bf16 kernels, so a bf16 checkpoint runs there as float32
+(converted per tensor as it is written; fp16 is kept when the model is loaded in float16).
 """
 
 from __future__ import annotations
@@ -133,7 +140,7 @@ def plan(model: Any, files: list[SafetensorsFile], identities: dict[Path, str]) 
     return sources, missing, unexpected
 
 
-def lazy_checkpoint(name: str, auto: Any, config: Any, paths: list[Path], dtype: torch.dtype) -> LazyCheckpoint | str:
+def lazy_checkpoint(auto: Any, config: Any, paths: list[Path], dtype: torch.dtype) -> LazyCheckpoint | str:
     """The model ``auto.from_config(config)`` with every parameter read lazily from ``paths``,
     or a one-line reason it cannot be (the caller then loads it in memory)."""
     from accelerate import init_empty_weights
