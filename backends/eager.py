@@ -26,6 +26,7 @@ from graphopt import ir
 from graphopt.ops import op_name, reference_of
 from graphopt.ops.moe import moe_sparse
 from graphopt.ops.moe_int4 import int4_moe_sparse
+from graphopt.targets import Compiled
 
 DIRECT_OPS = ("graphopt.attention", "graphopt.cache_attention", "graphopt.kv_cache_update",
               "graphopt.rope_kv_cache_update", "graphopt.rms_norm", "graphopt.add_rms_norm", "graphopt.rope",
@@ -45,15 +46,15 @@ class EagerTarget:
     def unavailable_reason(self, config) -> str | None:
         return None  # runs wherever PyTorch runs
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Compiled:
         if not any(n.op == "call_function" and op_name(n.target) in DIRECT_OPS for n in gm.graph.nodes):
-            return gm
+            return Compiled(gm)
         lowered = ir.copy_graph_module(gm)  # the caller's graph (reports, CUDA graph capture) keeps its ops
         for node in lowered.graph.nodes:
             if node.op == "call_function" and op_name(node.target) in DIRECT_OPS:
                 node.target = _eager_function(node.target)
         lowered.recompile()
-        return lowered
+        return Compiled(lowered)
 
 
 eager = EagerTarget()

@@ -24,8 +24,8 @@ from typing import Any, Callable, ContextManager, Sequence, TypeVar
 import torch.fx as fx
 
 from graphopt import ir
-from graphopt.config import Options
-from graphopt.errors import BackendFailed, GraphoptError, TargetUnavailable
+from graphopt.config import Options, fall_back
+from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.frontend.dynamo_reuse import dynamo_recompile_reason
 from graphopt.frontend.trace import AtenProgram, export_aten_graph
 from graphopt.instrument import NumericCheck
@@ -162,7 +162,7 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Opt
         return _fall_back(gm, example_inputs, config, report, "target", str(error), error)
     report.target = target.name
     if target is eager:
-        return eager.compile(gm, example_inputs, config)
+        return eager.compile(gm, example_inputs, config).fn
     try:
         compiled = target.compile(gm, example_inputs, config)
     except GraphoptError as error:
@@ -170,19 +170,17 @@ def _lower(gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Opt
     except Exception as error:  # a target's bug must not break the user's model
         reason = f"{type(error).__name__}: {error}"
         return _fall_back(gm, example_inputs, config, report, f"target:{target.name}", reason, error)
-    report.notes.extend(getattr(compiled, "graphopt_notes", ()))  # what the target ran where (e.g. ops kept on reference)
-    report.off_target_ops.extend(getattr(compiled, "graphopt_off_target_ops", ()))  # ops decomposed or kept eager
-    report.near_misses.extend(getattr(compiled, "graphopt_near_misses", ()))  # the target's own rewrites' refusals
-    return _guard_runtime(compiled, gm, example_inputs, config, report, target.name)
+    report.notes.extend(compiled.notes)  # what the target ran where (e.g. ops kept on reference)
+    report.off_target_ops.extend(compiled.off_target_ops)  # ops decomposed or kept eager
+    report.near_misses.extend(compiled.near_misses)  # the target's own rewrites' refusals
+    return _guard_runtime(compiled.fn, gm, example_inputs, config, report, target.name)
 
 
 def _fall_back(gm, example_inputs, config, report, where, reason, error) -> Callable:
-    if config.fallback == "error":
-        raise BackendFailed(f"graphopt {where} failed: {reason}") from error
-    log.warning("graphopt: %s failed (%s); running this graph on the eager target", where, reason)
+    fall_back(config, error, where, "running this graph on the eager target", reason=reason)
     report.add_fallback(where, reason)
     report.target = "eager"
-    return get_target("eager").compile(gm, example_inputs, config)
+    return get_target("eager").compile(gm, example_inputs, config).fn
 
 
 def _guard_runtime(compiled: Callable, gm: fx.GraphModule, example_inputs, config: Options,

@@ -7,7 +7,8 @@
 runners); adding a target is one entry here.
 
 A target is an object with ``name``, ``unavailable_reason(config) -> str | None`` (None
-when it can run here) and ``compile(gm, example_inputs, config) -> callable``. Targets
+when it can run here) and ``compile(gm, example_inputs, config) -> Compiled`` (the callable
+and what the report says of it). Targets
 live under backends/ and are imported by name (``TABLE``'s ``where``) only when asked for,
 so a missing optional package costs nothing until it is needed.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from graphopt.errors import TargetUnavailable
@@ -71,6 +72,23 @@ AUTO_ORDER = {hw: (*(t.name for t in TABLE if hw in t.auto_on), "eager") for hw 
 GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
 
 
+@dataclass
+class Compiled:
+    """What a target's ``compile`` returns: the graph's callable (``fn``, also reached by calling
+    this object) and what the compile report should say of it."""
+
+    fn: Callable
+    notes: list[str] = field(default_factory=list)  # what ran where (ops kept on reference, a per-shape build)
+    # each op the target did not run as itself: {"op", "count", "reason", "how": "decomposed" | "eager"}
+    off_target_ops: list[dict] = field(default_factory=list)
+    near_misses: list = field(default_factory=list)  # graphopt.pass_manager.NearMiss: the target's own refusals
+    partitions: list[dict] = field(default_factory=list)  # {"where", "nodes"} per run of a graph cut between runtimes
+    strategy: str = ""  # which of the target's ways of compiling made it
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
 class Target(Protocol):
     """``config`` is a graphopt.config.Options (not imported here: config imports this module)."""
 
@@ -78,7 +96,7 @@ class Target(Protocol):
 
     def unavailable_reason(self, config: Any) -> str | None: ...
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Any) -> Callable: ...
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config: Any) -> Compiled: ...
 
 
 @functools.cache

@@ -19,6 +19,9 @@ dynamic axes) does the graph fall back to one static model per input signature
 Every export + session is a build in the graph's report. A later graph that is a dynamic
 graph's instance (dynamo's batch-of-1 recompile: ``s0 = 1``) runs on that graph's session,
 with no build and a note (``reuse.py``).
+
+``STRATEGIES`` is each of these ways of compiling a graph, by name, with when it applies; the
+first that applies builds the graph's ``Compiled`` (its callable and the report's notes).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import importlib.util
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,6 +44,7 @@ from graphopt.backends.onnxruntime.compile.lazy_build import INTS_NOTE, NOTE, Bu
 from graphopt.backends.onnxruntime.lower.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.frontend import graph_instance
 from graphopt.ir import is_symbolic_size
+from graphopt.targets import Compiled
 
 REQUIRED_PACKAGES = ("onnxruntime", "onnx", "onnxscript", "onnx_ir")
 MAX_SPECIALIZATIONS = 8
@@ -72,29 +77,117 @@ class OnnxRuntimeTarget:
 
         return provider_problem(config.provider)
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
-        from graphopt.backends.onnxruntime.lower import partition
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Compiled:
+        for strategy in STRATEGIES:
+            found = strategy.applies(gm, example_inputs, config)
+            if found is not None and found is not False:
+                compiled = strategy.build(self, gm, example_inputs, config, found)
+                compiled.strategy = compiled.strategy or strategy.name
+                return compiled
+        raise AssertionError("the last strategy applies to every graph")
 
-        if not partition.is_partition(gm):  # decompose what has no translation, cut off what cannot export
-            return partition.compile_partitioned(self, gm, example_inputs, config)
-        reused = _serve_from_earlier(gm, config.provider)
-        if reused is not None:
-            log.info("graphopt: %s", reused.graphopt_notes[0])
-            return _retirable(gm, config.provider, reused)
-        if not _has_symbolic_shapes(gm):
-            inputs = list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
-            if inputs is None:
-                return _per_signature(gm, config.provider, "its inputs carry no example values")
-            if config.lazy_recompiles and _recompiled():
-                return _retirable(gm, config.provider, _compile_at_second_call(gm, _static_build(gm, config.provider)))
-            return _retirable(gm, config.provider, _compile_static(gm, inputs, config.provider))
-        if config.lazy_recompiles and _recompiled() and not _has_symbolic_tensor_sizes(gm):
-            # Only int inputs are symbolic (a sliding-window cache's counters, which dynamo made
-            # dynamic when they changed): its tensors have one shape, and like a static
-            # recompile it is most often called once (Gemma 3's first decode step).
-            build = lambda args, report: _compile_symbolic(gm, config.provider, report)  # noqa: E731
-            return _compile_at_second_call(gm, build, INTS_NOTE)
-        return _compile_symbolic(gm, config.provider)
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to compile a graph: ``applies(gm, example_inputs, config)`` is None or False when
+    it does not apply, else what it found, handed to ``build(target, gm, example_inputs, config,
+    found) -> Compiled``."""
+
+    name: str
+    summary: str
+    applies: Callable[..., Any]
+    build: Callable[..., Compiled]
+
+
+def _unplanned(gm, example_inputs, config) -> bool:
+    from graphopt.backends.onnxruntime.lower import partition
+
+    return not partition.is_partition(gm)
+
+
+def _partitioned(target, gm, example_inputs, config, found) -> Compiled:
+    from graphopt.backends.onnxruntime.lower import partition
+
+    return partition.compile_partitioned(target, gm, example_inputs, config)
+
+
+def _earlier_serves(gm, example_inputs, config) -> Compiled | None:
+    return _serve_from_earlier(gm, config.provider)
+
+
+def _reused(target, gm, example_inputs, config, served: Compiled) -> Compiled:
+    log.info("graphopt: %s", served.notes[0])
+    served.fn = _retirable(gm, config.provider, served.fn)
+    return served
+
+
+def _static_without_inputs(gm, example_inputs, config) -> bool:
+    return not _has_symbolic_shapes(gm) and _static_inputs(gm, example_inputs) is None
+
+
+def _per_signature_without_inputs(target, gm, example_inputs, config, found) -> Compiled:
+    return _per_signature(gm, config.provider, "its inputs carry no example values")
+
+
+def _static_recompile(gm, example_inputs, config) -> bool:
+    return not _has_symbolic_shapes(gm) and config.lazy_recompiles and _recompiled()
+
+
+def _static_at_second_call(target, gm, example_inputs, config, found) -> Compiled:
+    lazy = _compile_at_second_call(gm, _static_build(gm, config.provider))
+    return Compiled(_retirable(gm, config.provider, lazy.fn), lazy.notes)
+
+
+def _static(gm, example_inputs, config) -> bool:
+    return not _has_symbolic_shapes(gm)
+
+
+def _build_static(target, gm, example_inputs, config, found) -> Compiled:
+    compiled = _compile_static(gm, _static_inputs(gm, example_inputs), config.provider)
+    compiled.fn = _retirable(gm, config.provider, compiled.fn)
+    return compiled
+
+
+def _symbolic_ints_recompile(gm, example_inputs, config) -> bool:
+    # Only int inputs are symbolic (a sliding-window cache's counters, which dynamo made
+    # dynamic when they changed): its tensors have one shape, and like a static
+    # recompile it is most often called once (Gemma 3's first decode step).
+    return config.lazy_recompiles and _recompiled() and not _has_symbolic_tensor_sizes(gm)
+
+
+def _symbolic_at_second_call(target, gm, example_inputs, config, found) -> Compiled:
+    build = lambda args, report: _compile_symbolic(gm, config.provider, report)  # noqa: E731
+    return _compile_at_second_call(gm, build, INTS_NOTE)
+
+
+def _always(gm, example_inputs, config) -> bool:
+    return True
+
+
+def _build_symbolic(target, gm, example_inputs, config, found) -> Compiled:
+    return _compile_symbolic(gm, config.provider)
+
+
+# In order: the first that applies compiles the graph.
+STRATEGIES = (
+    Strategy("partition", "decompose what has no translation, cut off what cannot export, compile each part",
+             _unplanned, _partitioned),
+    Strategy("reuse", "an instance of an earlier dynamic graph runs on that graph's session, no build",
+             _earlier_serves, _reused),
+    Strategy("per_signature", "static shapes with no example inputs: one static export per input shape seen",
+             _static_without_inputs, _per_signature_without_inputs),
+    Strategy("static_at_second_call", "dynamo's static recompile: torch at its first call, a static session at "
+             "its second", _static_recompile, _static_at_second_call),
+    Strategy("static", "static shapes: one static export and session, memory planned once", _static, _build_static),
+    Strategy("symbolic_ints_at_second_call", "only int inputs symbolic after a recompile: torch at its first call, "
+             "the dynamic build at its second", _symbolic_ints_recompile, _symbolic_at_second_call),
+    Strategy("symbolic", "one export with the symbolic axes dynamic, one session for every shape", _always,
+             _build_symbolic),
+)
+
+
+def _static_inputs(gm: fx.GraphModule, example_inputs) -> list | None:
+    return list(example_inputs) if example_inputs is not None else inputs_from_meta(gm)
 
 
 def _recompiled() -> bool:
@@ -103,27 +196,28 @@ def _recompiled() -> bool:
     return report is not None and report.recompile_reason is not None
 
 
-def _compile_at_second_call(gm: fx.GraphModule, build: Callable[[list, Any], Callable], note: str = NOTE) -> Callable:
+def _compile_at_second_call(gm: fx.GraphModule, build: Callable[[list, Any], Compiled], note: str = NOTE) -> Compiled:
     """``gm`` on torch for its first call, then ``build(args, report)`` (lazy_build.py)."""
     # The report is gone from the context by the second call: the build is recorded on it.
-    return build_on_second_call(gm, _build_at_call(build, reports.current_report()), _laid_out_as_session(gm), note)
+    lazy = build_on_second_call(gm, _build_at_call(build, reports.current_report()), _laid_out_as_session(gm))
+    return Compiled(lazy, [note])
 
 
-def _static_build(gm: fx.GraphModule, provider: str) -> Callable[[list, Any], Callable]:
+def _static_build(gm: fx.GraphModule, provider: str) -> Callable[[list, Any], Compiled]:
     return lambda args, report: _compile_static(gm, args, provider, report)
 
 
-def _build_at_call(build: Callable[[list, Any], Callable], report) -> Callable[[list], Callable]:
+def _build_at_call(build: Callable[[list, Any], Compiled], report) -> Callable[[list], Callable]:
     """``build(args, report)`` run during a call, with that call's tensors. In a fresh thread:
     a call runs inside aot_autograd's runtime wrapper, whose thread-local dispatch state breaks
     the export (as for PerSignature). What the build has to say goes into the report itself:
-    compile time, when the core copies a callable's notes, has passed."""
+    compile time, when the core copies a Compiled's notes, has passed."""
     def at_call(args: list) -> Callable:
         with ThreadPoolExecutor(max_workers=1) as pool:
             built = pool.submit(build, args, report).result()
         if report is not None:
-            report.notes.extend(getattr(built, "graphopt_notes", ()))
-        return built
+            report.notes.extend(built.notes)
+        return built.fn
 
     return at_call
 
@@ -182,20 +276,21 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     release_free_heap()  # the export ran in its own thread, whose glibc arena keeps what it freed
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
     if report is not None:
+        report.record_target_passes(model.passes.records, model.passes.near_misses)
         report.record_build("onnxruntime session", shapes, dims, done - start,
                             export_s=round(exported - start, 4), session_s=round(done - exported, 4),
                             export_route=model.route)
     return model, session
 
 
-def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, report=None) -> Callable:
+def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, report=None) -> Compiled:
     from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
-    return _runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None)
+    return Compiled(_runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None))
 
 
-def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Callable:
+def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Compiled:
     """One export with the symbolic axes dynamic, one session for every shape. ``report``:
     the graph's, when this runs at a call instead of at compile time (lazy_build.py)."""
     from graphopt.backends.onnxruntime.errors import OnnxExportError
@@ -223,9 +318,14 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Callabl
                   release=bound is not None)
     entry = reuse.remember(gm, model, session, provider, owner=run)
     # Graphs compiled before this one that are its instances move onto this session.
-    if reuse.retire_instances(provider, lambda earlier_gm: _serve_from_earlier(earlier_gm, provider, only=entry)):
+    if reuse.retire_instances(provider, lambda earlier_gm: _served_fn(_serve_from_earlier(earlier_gm, provider,
+                                                                                            only=entry))):
         release_free_heap()  # the retired sessions' weights and arenas
-    return _retirable(gm, provider, run, report)
+    return Compiled(_retirable(gm, provider, run, report))
+
+
+def _served_fn(served: Compiled | None) -> Callable | None:
+    return served.fn if served is not None else None
 
 
 def _rebuild_when_called(earlier: reuse.Retirable) -> Callable:
@@ -237,9 +337,9 @@ def _retirable(gm: fx.GraphModule, provider: str, run: Callable, report=None) ->
     return reuse.retirable(gm, provider, run, report or reports.current_report())
 
 
-def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier | None = None) -> Callable | None:
+def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier | None = None) -> Compiled | None:
     """``gm`` run on the session of an earlier dynamic graph it is an instance of (``only``
-    that one, when given), or None."""
+    that one, when given), with a note that says so, or None."""
     from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     found = reuse.find(gm, provider, only=only)
@@ -267,8 +367,7 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier |
     run.graphopt_reusable = earlier  # this callable keeps the session alive too
     message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {graph_instance.describe(binding)} "
                "(dynamo's recompile), and that graph's session serves it")
-    run.graphopt_notes = [message]
-    return run
+    return Compiled(run, [message])
 
 
 def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None,
@@ -363,13 +462,12 @@ def _lay_out(tensor: Any, order: list[int]) -> Any:
     return tensor.permute(order).contiguous().permute(inverse)
 
 
-def _per_signature(gm: fx.GraphModule, provider: str, reason: str, report=None) -> Callable:
+def _per_signature(gm: fx.GraphModule, provider: str, reason: str, report=None) -> Compiled:
     log.warning("graphopt: onnxruntime exports this graph once per input shape (up to %d kept): %s",
                 MAX_SPECIALIZATIONS, reason)
-    fn = PerSignature(gm, lambda g, args, report: _compile_static(g, args, provider, report),
+    fn = PerSignature(gm, lambda g, args, report: _compile_static(g, args, provider, report).fn,
                       report or reports.current_report(), MAX_SPECIALIZATIONS)
-    fn.graphopt_notes = [f"onnxruntime: one static export per input shape, since {reason}"]
-    return fn
+    return Compiled(fn, [f"onnxruntime: one static export per input shape, since {reason}"], strategy="per_signature")
 
 
 onnxruntime = OnnxRuntimeTarget()

@@ -30,6 +30,7 @@ from graphopt import ir
 from graphopt.errors import GraphoptError, TargetUnavailable
 from graphopt.ops import op_name
 from graphopt.ops.decompose import decompose_graphopt_ops
+from graphopt.targets import Compiled
 
 
 # Each names torch-tensorrt itself: some callers (graphopt fuzz) show a reason without its target.
@@ -57,7 +58,7 @@ class TensorRTTarget:
             return NO_TORCH_TENSORRT
         return None
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Compiled:
         problem = int4_problem(gm)
         if problem:
             raise TargetUnavailable(problem)
@@ -94,7 +95,7 @@ class TensorRTTarget:
         if decomposed_ops:
             notes.append("tensorrt: decomposed to ATen for TensorRT: "
                          + ", ".join(f"{op} x{n}" for op, n in sorted(decomposed_ops.items())))
-        return _runner(engine, example_inputs, lowered, notes)
+        return Compiled(_runner(engine, example_inputs, lowered), notes)
 
 
 def int4_problem(gm: fx.GraphModule) -> str | None:
@@ -168,7 +169,7 @@ def _flat(outputs: Any) -> list:
     return list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
 
 
-def _runner(engine: Callable, example_inputs: list, lowered: fx.GraphModule, notes: list[str]) -> Callable:
+def _runner(engine: Callable, example_inputs: list, lowered: fx.GraphModule) -> Callable:
     """A callable with the graph's own signature and output structure around ``engine``."""
     output = lowered.graph.output_node().args[0]
     single = not isinstance(output, (tuple, list))
@@ -180,7 +181,6 @@ def _runner(engine: Callable, example_inputs: list, lowered: fx.GraphModule, not
         result = [next(produced) if p is _FROM_ENGINE else p for p in plan]
         return result[0] if single else tuple(result)
 
-    run.graphopt_notes = notes
     run.lowered_graph = lowered  # the decomposed graph, for tools and tests
     return run
 

@@ -33,6 +33,7 @@ from graphopt import report as reports
 from graphopt.config import fall_back
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
+from graphopt.targets import Compiled
 
 from . import builds
 
@@ -73,7 +74,7 @@ class TritonTarget:
             return NO_GPU
         return None
 
-    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
+    def compile(self, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Compiled:
         interpret = interpreting()
         if not interpret and not _on_gpu(gm, example_inputs):
             raise GraphoptError("the graph's tensors are on the CPU; the triton target needs them on the GPU "
@@ -101,7 +102,7 @@ class TritonTarget:
                 notes.append(f"triton: Inductor failed ({reason}); the rest of the graph runs eagerly")
         for note in notes:
             log.info("graphopt: %s", note)
-        return _with_notes(compiled, lowered, notes, report)
+        return Compiled(_running_for(compiled, lowered, report), notes)
 
 
 def retarget(gm: fx.GraphModule, runnable: Callable[[fx.Node], bool] | None = None
@@ -183,15 +184,13 @@ def _on_gpu_node(node: fx.Node) -> bool:
     return bool(tensors) and all(t.device.type == "cuda" for t in tensors)
 
 
-def _with_notes(compiled: Callable, lowered: fx.GraphModule, notes: list[str], report=None) -> Callable:
-    """``compiled`` carrying ``graphopt_notes`` (the core copies them into the report) and
-    ``lowered_graph`` (the retargeted graph, for tools and tests); kernels it compiles while
-    running are builds in ``report``."""
+def _running_for(compiled: Callable, lowered: fx.GraphModule, report=None) -> Callable:
+    """``compiled`` carrying ``lowered_graph`` (the retargeted graph, for tools and tests);
+    kernels it compiles while running are builds in ``report``."""
     def run(*args: Any) -> Any:
         with builds.running_for(report):
             return compiled(*args)
 
-    run.graphopt_notes = notes
     run.lowered_graph = lowered
     return run
 

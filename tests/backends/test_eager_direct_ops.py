@@ -27,7 +27,7 @@ def test_cache_ops_run_as_plain_functions_and_compute_the_same():
     pos, lengths = torch.tensor(4), torch.tensor([5])
     gm = make_fx(_step, tracing_mode="fake")(*[c.clone() for c in caches], *new, pos, lengths)
     before = ir.op_counts(gm)
-    lowered = eager.compile(gm, None, None)
+    lowered = eager.compile(gm, None, None).fn
     assert ir.op_counts(gm) == before, "the caller's graph must keep its ops"
     targets = {n.target for n in lowered.graph.nodes if n.op == "call_function"}
     for name in ("cache_attention", "kv_cache_update", "rms_norm"):
@@ -45,12 +45,12 @@ def test_cache_ops_run_as_plain_functions_and_compute_the_same():
 
 def test_a_graph_without_those_ops_is_returned_as_it_is():
     gm = make_fx(lambda x: g.softmax_rms_norm(x, torch.ones(8), 1e-6), tracing_mode="fake")(torch.ones(2, 8))
-    assert eager.compile(gm, None, None) is gm
+    assert eager.compile(gm, None, None).fn is gm
 
 
 def _lowered_targets(fn, *args):
     gm = make_fx(fn, tracing_mode="fake")(*args)
-    lowered = eager.compile(gm, None, None)
+    lowered = eager.compile(gm, None, None).fn
     return lowered, {n.target for n in lowered.graph.nodes if n.op == "call_function"}
 
 

@@ -13,6 +13,7 @@ from graphopt import targets
 from graphopt.registry import scoped_passes
 from graphopt.errors import BackendFailed
 from graphopt.pass_manager import NoOptions, PassResult
+from graphopt.targets import Compiled
 from tests.helpers import assert_matches_eager, eager
 
 
@@ -52,7 +53,7 @@ class FailsAtRunTarget:
     def compile(self, gm, example_inputs, config):
         def run(*args):
             raise RuntimeError("kernel launch failed")
-        return run
+        return Compiled(run)
 
 
 broken = BrokenTarget()

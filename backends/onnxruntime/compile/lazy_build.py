@@ -64,15 +64,13 @@ class BuildOnSecondCall:
         return getattr(built, name)
 
 
-def build_on_second_call(gm: fx.GraphModule, build: Callable[[list], Callable], lay_out: Callable[[Any], Any],
-                         note: str = NOTE) -> BuildOnSecondCall:
+def build_on_second_call(gm: fx.GraphModule, build: Callable[[list], Callable],
+                         lay_out: Callable[[Any], Any]) -> BuildOnSecondCall:
     """``lay_out`` gives the first call's outputs the layout the session's would have: dynamo
     guards the next call's inputs on their strides, and a cache returned as torch's strided
     view one step and as the session's row-major tensor the next would recompile the graph
     that takes it (Mistral with a full 4-token window: a fourth graph and build)."""
     from graphopt.targets import get_target
 
-    on_torch = get_target("eager").compile(gm, None, None)
-    lazy = BuildOnSecondCall(lambda *args: lay_out(on_torch(*args)), build)
-    lazy.graphopt_notes = [note]
-    return lazy
+    on_torch = get_target("eager").compile(gm, None, None).fn
+    return BuildOnSecondCall(lambda *args: lay_out(on_torch(*args)), build)

@@ -84,7 +84,7 @@ class Retirable:
         return self.run(*args)
 
     def __getattr__(self, name: str) -> Any:
-        """The runner's own attributes (``session``, ``onnx_model``, ``graphopt_notes``)."""
+        """The runner's own attributes (``session``, ``onnx_model``)."""
         if name == "run":  # not set yet: no runner to ask
             raise AttributeError(name)
         return getattr(self.run, name)

@@ -18,10 +18,10 @@ as possible). Before any export, :func:`compile_partitioned`
    op moves to the eager side and the plan is made again: at most ``MAX_ROUNDS`` times,
    since each round moves at least one more op off the target.
 
-The compiled callable carries ``graphopt_off_target_ops``: one ``{"op", "count", "reason",
+The ``Compiled`` it returns carries ``off_target_ops``: one ``{"op", "count", "reason",
 "how"}`` per op that did not run as itself on ONNX Runtime (``how``: ``"decomposed"`` or
-``"eager"``), ``graphopt_partitions`` (``[{"where", "nodes"}]`` in run order) and
-``graphopt_near_misses`` (the cached-attention rewrite's refusals, ``lowering.py``).
+``"eager"``), ``partitions`` (``[{"where", "nodes"}]`` in run order) and ``near_misses``
+(the cached-attention rewrite's refusals, ``lowering.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from graphopt.backends.onnxruntime.compile.placement import EAGER, ORT, Plan, re
 from graphopt.errors import GraphoptError
 from graphopt.ops import op_name
 from graphopt.ops.decompose import inline_reference
+from graphopt.targets import Compiled
 
 MAX_ROUNDS = 8
 _PARTITION = "graphopt_ort_partition"  # gm.meta flag: a graph this module already planned
@@ -51,7 +52,7 @@ def is_partition(gm: fx.GraphModule) -> bool:
     return bool(getattr(gm, "meta", {}).get(_PARTITION))
 
 
-def compile_partitioned(target, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Callable:
+def compile_partitioned(target, gm: fx.GraphModule, example_inputs: Sequence[Any] | None, config) -> Compiled:
     """``gm`` compiled for ONNX Runtime with as few nodes off it as possible (module docstring).
 
     Raises the target's error unchanged when the whole graph fails for a reason that names
@@ -66,7 +67,7 @@ def compile_partitioned(target, gm: fx.GraphModule, example_inputs: Sequence[Any
                     if n.op == "call_function" and op_name(n.target) and n.target not in table]
     _decompose(gm, {n: DECOMPOSED for n in untranslated}, decomposed, eager)
     eager.update({n: r for n in gm.graph.nodes if n not in eager and (r := refusal(n, table))})
-    built: dict[str, Callable] = {}  # a part's code -> its compiled form, kept across rounds
+    built: dict[str, Compiled] = {}  # a part's code -> its compiled form, kept across rounds
     last: Exception | None = None
     for _ in range(MAX_ROUNDS):
         plan = schedule(gm, eager)
@@ -82,9 +83,9 @@ def compile_partitioned(target, gm: fx.GraphModule, example_inputs: Sequence[Any
             eager.update({n: r for n, r in refused.nodes.items() if n not in ours})
             last = refused.error
             continue
-        compiled.graphopt_off_target_ops = _off_target(decomposed, eager)
-        compiled.graphopt_partitions = [{"where": where, "nodes": len(nodes)} for where, nodes in plan.runs]
-        compiled.graphopt_notes = _notes(compiled, decomposed, eager)
+        compiled.off_target_ops = _off_target(decomposed, eager)
+        compiled.partitions = [{"where": where, "nodes": len(nodes)} for where, nodes in plan.runs]
+        compiled.notes = _notes(compiled, decomposed, eager)
         return compiled
     raise GraphoptError(f"ONNX export still failed after moving ops off ONNX Runtime {MAX_ROUNDS} times; "
                         f"last: {last}; use target='eager' for this graph")
@@ -116,12 +117,12 @@ def _decompose(gm: fx.GraphModule, nodes: dict[fx.Node, str], decomposed: Counte
 
 
 def _compile_plan(target, gm: fx.GraphModule, plan: Plan, example_inputs, config,
-                  built: dict[str, Callable]) -> Callable:
+                  built: dict[str, Compiled]) -> Compiled:
     if len(plan.runs) <= 1:  # everything on ONNX Runtime (or nothing to compute): the graph itself, no split
         gm.meta[_PARTITION] = True
         nodes = plan.runs[0][1] if plan.runs else []
         compiled = _compile_part(target, gm, gm, nodes, example_inputs, config, whole=True)
-        compiled.graphopt_near_misses = lowering.cached_attention_near_misses(gm)
+        compiled.near_misses = lowering.cached_attention_near_misses(gm)
         return compiled
     plan.reorder(gm)
     from torch.fx.passes.split_module import split_module
@@ -143,20 +144,18 @@ def _compile_plan(target, gm: fx.GraphModule, plan: Plan, example_inputs, config
         if key not in built:
             built[key] = _compile_part(target, sub, gm, nodes, inputs.get(name), config, whole=False)
         near_misses += lowering.cached_attention_near_misses(sub)
-        notes += [n for n in getattr(built[key], "graphopt_notes", ()) if n not in notes]
-        split.add_submodule(name, _Compiled(built[key]))
+        notes += [n for n in built[key].notes if n not in notes]
+        split.add_submodule(name, _Part(built[key].fn))
 
     def run(*args: Any) -> Any:
         return split(*args)
 
-    run.split_graph = split  # for tests and tools: the cut graph, ORT parts as _Compiled modules
-    run.graphopt_near_misses = near_misses
-    run.graphopt_notes = notes  # the parts' own (how each was exported)
-    return run
+    run.split_graph = split  # for tests and tools: the cut graph, ORT parts as _Part modules
+    return Compiled(run, notes, near_misses=near_misses, strategy="partition")  # the parts' notes (how each exported)
 
 
 def _compile_part(target, sub: fx.GraphModule, gm: fx.GraphModule, nodes: list[fx.Node], example_inputs,
-                  config, whole: bool) -> Callable:
+                  config, whole: bool) -> Compiled:
     """``target.compile`` on ``sub``, the part of ``gm`` made of ``nodes``; an export that
     refuses some of its ops -> _Refused."""
     try:
@@ -212,7 +211,7 @@ def _part_inputs(split: fx.GraphModule, names: list[str], example_inputs) -> dic
     return seen
 
 
-class _Compiled(torch.nn.Module):
+class _Part(torch.nn.Module):
     """A compiled part in the cut graph's module tree."""
 
     def __init__(self, fn: Callable) -> None:
@@ -231,8 +230,8 @@ def _off_target(decomposed: Counter, eager: dict[fx.Node, str]) -> list[dict]:
     return rows
 
 
-def _notes(compiled: Callable, decomposed: Counter, eager: dict[fx.Node, str]) -> list[str]:
-    notes = list(getattr(compiled, "graphopt_notes", ()))
+def _notes(compiled: Compiled, decomposed: Counter, eager: dict[fx.Node, str]) -> list[str]:
+    notes = list(compiled.notes)
     if decomposed:
         ops = Counter()
         for (op, _), n in decomposed.items():
@@ -240,7 +239,7 @@ def _notes(compiled: Callable, decomposed: Counter, eager: dict[fx.Node, str]) -
         notes.append("onnxruntime: decomposed to standard ONNX ops (no translation for them): "
                      + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))
     if eager:
-        parts = Counter(p["where"] for p in compiled.graphopt_partitions)
+        parts = Counter(p["where"] for p in compiled.partitions)
         ops = Counter(ir.target_name(n.target) for n in eager)
         notes.append(f"onnxruntime: graph cut into {parts[ORT]} ONNX Runtime part(s) and {parts[EAGER]} eager "
                      "part(s); eager: " + ", ".join(f"{op} x{n}" for op, n in sorted(ops.items())))

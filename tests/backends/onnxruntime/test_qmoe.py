@@ -79,7 +79,7 @@ def test_reference_dequantizes_each_expert_as_int4_linear_does():
 def test_int4_moe_runs_as_qmoe_and_matches_the_dequantized_reference(symmetric, normalize, ort_models, level0):
     fn, inputs, fp32 = _op_call(hidden=64, inter=32, symmetric=symmetric, normalize=normalize)
     compiled = onnxruntime.compile(make_fx(fn, tracing_mode="fake")(*inputs), inputs, ORT)
-    assert compiled.graphopt_off_target_ops == []
+    assert compiled.off_target_ops == []
     histogram = ort_models[-1].op_histogram()
     assert histogram.get("com.microsoft::QMoE") == 1 and "com.microsoft::MoE" not in histogram
     (attrs,) = _qmoe_attributes(ort_models[-1])
@@ -105,10 +105,10 @@ def test_skips_qmoe_when_blocks_do_not_tile_inter_and_decomposes_on_ort(ort_mode
     # inter 48 with group 32: the codes are padded to 64, which QMoE's CPU kernel cannot read.
     fn, inputs, _ = _op_call(hidden=64, inter=48, symmetric=True)
     compiled = onnxruntime.compile(make_fx(fn, tracing_mode="fake")(*inputs), inputs, ORT)
-    (row,) = compiled.graphopt_off_target_ops
+    (row,) = compiled.off_target_ops
     assert row["op"] == "graphopt.int4_moe" and row["how"] == "decomposed"
     assert "QMoE kernel lacks padded blocks: hidden 64 and inter 48 must be multiples of group_size 32" in row["reason"]
-    assert {p["where"] for p in compiled.graphopt_partitions} == {"onnxruntime"}
+    assert {p["where"] for p in compiled.partitions} == {"onnxruntime"}
     assert "com.microsoft::QMoE" not in ort_models[-1].op_histogram()
     torch.testing.assert_close(compiled(*inputs), fn(*inputs), **TIGHT)
 

@@ -58,8 +58,8 @@ def test_op_runs_its_kernel_and_matches_the_reference(case):
     op, fn, inputs = CASES[case]
     gm = make_fx(fn, tracing_mode="fake")(*_clone(inputs))
     compiled = T.triton.compile(gm, _clone(inputs), TRITON)
-    assert _triton_nodes(compiled.lowered_graph) == {f"{ops.NAMESPACE}::{op.split('.')[1]}": 1}
-    assert f"triton: Triton kernels for {op} x1" in compiled.graphopt_notes
+    assert _triton_nodes(compiled.fn.lowered_graph) == {f"{ops.NAMESPACE}::{op.split('.')[1]}": 1}
+    assert f"triton: Triton kernels for {op} x1" in compiled.notes
     before = ops.calls.copy()
     actual = compiled(*_clone(inputs))
     assert ops.calls - before == {(op, "kernel"): 1}, "the kernel must run, not the reference"
@@ -74,7 +74,7 @@ def test_op_without_a_kernel_keeps_its_reference_and_says_so():
     x, w = _r(2, 5, 16), _r(24, 16)
     gm = make_fx(lambda x, w: g.qkv_proj(x, w, None, [8, 8, 8])[1] + 1, tracing_mode="fake")(x, w)
     compiled = T.triton.compile(gm, [x, w], TRITON)
-    assert compiled.graphopt_notes[0] == "triton: graphopt.qkv_proj x1 keeps its reference implementation " \
+    assert compiled.notes[0] == "triton: graphopt.qkv_proj x1 keeps its reference implementation " \
                                         "(no Triton kernel)"
     torch.testing.assert_close(compiled(x, w), g.qkv_proj(x, w, None, [8, 8, 8])[1] + 1, **TOL)
 
@@ -198,7 +198,7 @@ def test_gpu_path_orders_the_in_place_update(monkeypatch, inductor):
     monkeypatch.setattr(T, "_on_gpu_node", lambda node: True)
     step, gm, inputs = _in_place_step()
     compiled = T.triton.compile(gm, _clone(inputs), TRITON.replace(inductor=inductor))
-    assert compiled.graphopt_notes[-1] == ("triton: the rest of the graph compiled by Inductor" if inductor else
+    assert compiled.notes[-1] == ("triton: the rest of the graph compiled by Inductor" if inductor else
                                            "triton: inductor=False: the rest of the graph runs eagerly")
     got, want = _clone(inputs), _clone(inputs)
     before = ops.calls.copy()
@@ -246,7 +246,7 @@ def test_when_inductor_fails_the_kernels_stay_and_the_rest_runs_eagerly(monkeypa
     monkeypatch.setattr(T, "compile_with_inductor", broken)
     step, gm, inputs = _in_place_step()
     compiled = T.triton.compile(gm, _clone(inputs), TRITON.replace(fallback="eager"))
-    assert compiled.graphopt_notes[-1] == ("triton: Inductor failed (RuntimeError: inductor lowering failed); "
+    assert compiled.notes[-1] == ("triton: Inductor failed (RuntimeError: inductor lowering failed); "
                                            "the rest of the graph runs eagerly")
     torch.testing.assert_close(compiled(*_clone(inputs)), step(*_clone(inputs)), **TOL)
     with pytest.raises(RuntimeError, match="inductor lowering failed"):

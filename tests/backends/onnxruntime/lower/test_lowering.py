@@ -86,9 +86,9 @@ def test_an_op_without_translation_is_decomposed_on_the_target(op):
     # op), everything else of the graph on ORT, and the report says so.
     for _, fn, tensors in [case for case in OP_CASES.values() if case[0] == op_name(op)]:
         compiled = onnxruntime.compile(make_fx(fn, tracing_mode="fake")(*tensors), [t.clone() for t in tensors], ORT)
-        assert (op_name(op), "decomposed") in {(r["op"], r["how"]) for r in compiled.graphopt_off_target_ops}
-        assert op_name(op) not in {r["op"] for r in compiled.graphopt_off_target_ops if r["how"] == "eager"}
-        assert "onnxruntime" in {p["where"] for p in compiled.graphopt_partitions}
+        assert (op_name(op), "decomposed") in {(r["op"], r["how"]) for r in compiled.off_target_ops}
+        assert op_name(op) not in {r["op"] for r in compiled.off_target_ops if r["how"] == "eager"}
+        assert "onnxruntime" in {p["where"] for p in compiled.partitions}
         torch.testing.assert_close(compiled(*[t.clone() for t in tensors]), fn(*[t.clone() for t in tensors]), **TOL)
 
 
@@ -160,7 +160,7 @@ def test_the_report_carries_the_cached_attention_near_misses():
     misses = [m for m in report.to_dict()["near_misses"] if m["pass_name"] == "ort:gqa_with_past"]
     assert [m["reason"] for m in misses] == ["ORT's GQA needs batch 1 when several queries read a past cache"]
     direct = onnxruntime.compile(make_fx(fn, tracing_mode="fake")(*inputs), inputs, ORT)
-    assert [m.reason for m in direct.graphopt_near_misses] == [m["reason"] for m in misses]
+    assert [m.reason for m in direct.near_misses] == [m["reason"] for m in misses]
 
 
 # --- the ORT ops, listed once --------------------------------------------------------------

@@ -48,15 +48,15 @@ def _halves(x, w):
 
 def _ort_ops(compiled) -> list[str]:
     """Every ONNX op type of every ORT part the compiled graph runs."""
-    parts = [m.fn for m in compiled.split_graph.children() if isinstance(m, partition._Compiled)]
+    parts = [m.fn for m in compiled.fn.split_graph.children() if isinstance(m, partition._Part)]
     return [n.op_type for part in parts for n in part.onnx_model.model.graph]
 
 
 def test_unexportable_op_between_two_halves_runs_eagerly_between_two_ort_parts():
     x, w = randn(3, 8), randn(8, 8)
     compiled = onnxruntime.compile(make_fx(_halves)(x, w), [x, w], ORT)
-    assert [p["where"] for p in compiled.graphopt_partitions] == ["onnxruntime", "eager", "onnxruntime"]
-    assert compiled.graphopt_off_target_ops == [{"op": "partition_test.opaque", "count": 1, "how": "eager",
+    assert [p["where"] for p in compiled.partitions] == ["onnxruntime", "eager", "onnxruntime"]
+    assert compiled.off_target_ops == [{"op": "partition_test.opaque", "count": 1, "how": "eager",
                                                  "reason": "torch.onnx has no translation or decomposition for it"}]
     assert {"MatMul", "Relu", "Softmax"} <= set(_ort_ops(compiled))
     torch.testing.assert_close(compiled(x, w), _halves(x, w), rtol=1e-5, atol=1e-6)
@@ -73,7 +73,7 @@ def test_independent_work_is_gathered_into_one_ort_part_around_the_eager_op():
 
     x, y = randn(4, 5), randn(4, 5)
     compiled = onnxruntime.compile(make_fx(fn)(x, y), [x, y], ORT)
-    assert [p["where"] for p in compiled.graphopt_partitions] == ["onnxruntime", "eager", "onnxruntime"]
+    assert [p["where"] for p in compiled.partitions] == ["onnxruntime", "eager", "onnxruntime"]
     torch.testing.assert_close(compiled(x, y), fn(x, y), rtol=1e-5, atol=1e-6)
 
 
@@ -83,8 +83,8 @@ def test_an_export_that_refuses_an_op_moves_it_off_and_plans_again(monkeypatch):
     monkeypatch.setattr(placement, "_exporter_tables", lambda: None)
     x, w = randn(3, 8), randn(8, 8)
     compiled = onnxruntime.compile(make_fx(_halves)(x, w), [x, w], ORT)
-    assert [p["where"] for p in compiled.graphopt_partitions] == ["onnxruntime", "eager", "onnxruntime"]
-    (row,) = compiled.graphopt_off_target_ops
+    assert [p["where"] for p in compiled.partitions] == ["onnxruntime", "eager", "onnxruntime"]
+    (row,) = compiled.off_target_ops
     assert (row["op"], row["how"]) == ("partition_test.opaque", "eager")
     assert row["reason"].startswith("op partition_test.opaque cannot be exported to ONNX Runtime")
     torch.testing.assert_close(compiled(x, w), _halves(x, w), rtol=1e-5, atol=1e-6)
@@ -99,11 +99,11 @@ def test_graphopt_op_without_translation_is_decomposed_and_the_graph_stays_whole
 
     x, w = randn(2, 3, 40), randn(40)
     compiled = onnxruntime.compile(make_fx(fn)(x, w), [x, w], ORT)
-    assert compiled.graphopt_partitions == [{"where": "onnxruntime", "nodes": compiled.graphopt_partitions[0]["nodes"]}]
-    assert not hasattr(compiled, "split_graph")  # one export of the whole graph
-    assert compiled.graphopt_off_target_ops == [{"op": "graphopt.rms_norm", "count": 1, "how": "decomposed",
+    assert compiled.partitions == [{"where": "onnxruntime", "nodes": compiled.partitions[0]["nodes"]}]
+    assert not hasattr(compiled.fn, "split_graph")  # one export of the whole graph
+    assert compiled.off_target_ops == [{"op": "graphopt.rms_norm", "count": 1, "how": "decomposed",
                                                  "reason": partition.DECOMPOSED}]
-    ops = {n.op_type for n in compiled.onnx_model.model.graph}
+    ops = {n.op_type for n in compiled.fn.onnx_model.model.graph}
     assert "SimplifiedLayerNormalization" not in ops and {"ReduceMean", "Mul"} <= ops
     torch.testing.assert_close(compiled(x, w), fn(x, w), rtol=1e-5, atol=1e-5)
 
@@ -114,9 +114,9 @@ def test_skips_cutting_a_graph_ort_takes_whole():
 
     x, w = randn(2, 3, 40), randn(40)
     compiled = onnxruntime.compile(make_fx(fn)(x, w), [x, w], ORT)
-    assert [p["where"] for p in compiled.graphopt_partitions] == ["onnxruntime"]
-    assert compiled.graphopt_off_target_ops == []
-    assert "SimplifiedLayerNormalization" in {n.op_type for n in compiled.onnx_model.model.graph}
+    assert [p["where"] for p in compiled.partitions] == ["onnxruntime"]
+    assert compiled.off_target_ops == []
+    assert "SimplifiedLayerNormalization" in {n.op_type for n in compiled.fn.onnx_model.model.graph}
 
 
 def test_skips_reordering_around_an_in_place_write():
@@ -130,7 +130,7 @@ def test_skips_reordering_around_an_in_place_write():
     examples = [t.clone() for t in inputs]
     compiled = onnxruntime.compile(gm, examples, ORT)
     assert torch.equal(examples[0], inputs[0])  # compiling wrote nothing into the caller's cache
-    (row_decomposed, row_eager) = compiled.graphopt_off_target_ops
+    (row_decomposed, row_eager) = compiled.off_target_ops
     assert (row_decomposed["op"], row_decomposed["how"]) == ("graphopt.kv_cache_update", "decomposed")
     assert row_eager["how"] == "eager" and "in place" in row_eager["reason"]
     cache = inputs[0].clone()
