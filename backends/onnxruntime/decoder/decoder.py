@@ -144,7 +144,9 @@ class OrtRunner:
                 self.notes.append(f"the kept decoder in {kept.parent} did not load ({type(error).__name__}); "
                                   "exported again")
         model, result = export_decoder(self.model, _export_prompt(input_ids), config, timer)
-        records, fallbacks = [r.to_dict() for r in result.records], result.fallbacks
+        # the FX passes, then the ONNX passes the export ran (onnx_passes/runner.py)
+        records = [r.to_dict() for r in [*result.records, *model.passes.records]]
+        fallbacks = result.fallbacks
         self.notes += model.notes
         if lazy_weights.has_lazy_weights(self.model):
             # The weights are still in the checkpoint: write them out one tensor at a time and open

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 
 from graphopt.backends.onnxruntime.decoder.in_place import ROTARY_POSITIONS
 from graphopt.backends.onnxruntime.onnx_passes import attention_layout, rotary_fold
+from graphopt.backends.onnxruntime.onnx_passes.runner import run_onnx_passes
 from graphopt.errors import GraphoptError
 
 MS_DOMAIN = "com.microsoft"
@@ -249,12 +250,13 @@ def lower_decoder(optimized, model: nn.Module, axes: list, timer, opset: int | N
                                   output_names=["logits", *cache_names(layers, "prompt")], rewrite=rewrite,
                                   infer_types=False)
         share_cache(onnx_model.model)
-        attention_layout.tidy_attention_layout(onnx_model.model)
         positions = max_positions(model)
-        if positions:  # rotary inside GroupQueryAttention: its cos/sin cache needs a row per position
-            folded = rotary_fold.fold_rotary_into_attention(onnx_model.model, positions)
-            if folded["rotary"]:
-                onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
+        # rotary inside GroupQueryAttention: its cos/sin cache needs a row per position
+        fold = [rotary_fold.FoldRotaryIntoAttention(positions)] if positions else []
+        done = run_onnx_passes(onnx_model.model, [attention_layout.tidy_attention_layout_pass, *fold])
+        onnx_model.passes.extend(done)  # reported with the export's own ONNX passes
+        if any(r.stats.get("rotary") for r in done.records if r.name.endswith(":fold_rotary_into_attention")):
+            onnx_model.model.metadata_props[ROTARY_POSITIONS] = str(positions)
     onnx_model.notes = list(optimized.program.notes)
     graph = onnx_model.model.graph
     onnx_model.input_names = [v.name for v in graph.inputs]

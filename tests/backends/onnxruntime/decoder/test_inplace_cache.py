@@ -24,10 +24,25 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def decoder(tiny):
+def exported(tiny):
     model, _ = export_decoder(tiny, torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(0)),
                               Options())
-    return model.to_bytes()
+    return model
+
+
+@pytest.fixture(scope="module")
+def decoder(exported):
+    return exported.to_bytes()
+
+
+def test_its_onnx_rewrites_are_reported_as_passes(exported):
+    records = exported.passes.records
+    names = [r.name for r in records]
+    assert names[:2] == ["onnx:fold_flattened_matmuls", "onnx:light_cleanup"]
+    assert names[-2:] == ["onnx:tidy_attention_layout", "onnx:fold_rotary_into_attention"]
+    tidy, fold = records[-2:]
+    assert tidy.status == "changed" and tidy.matches > 0
+    assert fold.stats["rotary"] == 2 and fold.matches >= 2  # both layers rotate inside attention
 
 
 def left_padded(prompts):
