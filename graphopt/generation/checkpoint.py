@@ -43,6 +43,9 @@ class Checkpoint:
     notes: list[str] = field(default_factory=list)
     # Raises graphopt.memory.MemoryNeeded when building would not fit; called before building.
     check_memory: Callable[[], None] = lambda: None
+    # Work on the file's weights that can run beside an export, in a process of its own:
+    # ``run(folder)`` writes it, ``use(folder)`` lets the export read it (sources/gguf_prepack.py).
+    prepack: Any = None
     # Whether a pipeline that reads the weights while it compiles (--int4's GPTQ) may load them
     # into memory first (a safetensors checkpoint's floats), rather than leave them in the file.
     load_to_calibrate: bool = False

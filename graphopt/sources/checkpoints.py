@@ -73,7 +73,10 @@ def gguf_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
         identity = f"gguf;{file_identity(path)};torch.{dtype}"
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
-    return Checkpoint(identity, lambda: _build(path, dtype), str(path), check_memory=lambda: check_memory(path, "file"))
+    from graphopt.sources.gguf_prepack import FilePrepack
+
+    return Checkpoint(identity, lambda: _build(path, dtype), str(path), check_memory=lambda: check_memory(path, "file"),
+                      prepack=FilePrepack(path))
 
 
 def _build(path: Path, dtype: str):

@@ -18,6 +18,7 @@ transformed as transformers would, and the model says so.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from graphopt import lazy_weights
 
 from graphopt.sources import gguf_blocks as blocks_mod
 from graphopt.sources.gguf_file import GGUFFile
-from graphopt.ops.quant_blocks import BlockFormat
+from graphopt.ops.quant_blocks import BlockFormat, BlockQuantized
+from graphopt.sources import gguf_prepack
 
 # Architectures whose GGUF config transformers derives with steps this module does not repeat
 # (T5's encoder-decoder split, LFM2's per-layer heads, GPT-OSS's rope scaling keys, ...):
@@ -139,7 +141,25 @@ class GGUFTensor:
         return f"gguf:{self.file.identity_key}:{self.gguf_name}:{self.ggml_type}:{self.packed}{rows}"
 
     def block_quantized(self, rows: slice | None = None):
-        """The blocks (of ``rows`` only: a head written in row blocks reads each block's rows)."""
+        """The blocks (of ``rows`` only: a head written in row blocks reads each block's rows).
+        A field ``gguf_prepack`` re-laid out already is read from its file; the others are
+        decoded from the file's blocks when read."""
+        decoded = functools.cache(lambda: self._decoded(rows))  # the file's blocks, re-laid out when first read
+        fmt = FORMATS[self.ggml_type]
+        fields = {name: self._field(name, rows, decoded) for name in gguf_prepack.FIELDS}
+        return BlockQuantized(fmt.bits, fmt.group_size, self.shape[-1], fmt.zeros, fmt.offsets, **fields)
+
+    def _field(self, name: str, rows: slice | None, decoded):
+        def read():
+            kept = gguf_prepack.prepacked(self.file.identity_key, self.gguf_name, name)
+            if kept is None:
+                return getattr(decoded(), name)
+            if self.rows is not None:  # the file's row order -> the processor's
+                kept = kept[self.rows]
+            return np.ascontiguousarray(kept[rows]) if rows is not None else kept
+        return read
+
+    def _decoded(self, rows: slice | None):
         raw = self.file.data(self.gguf_name)
         if self.rows is not None:
             raw = raw[self.rows]

@@ -76,6 +76,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     if kept is None:
         if key is None:
             scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
+        packer = _start_prepack(checkpoint, key)
         try:
             made = started.result() if started else run_forked(_export, checkpoint, options, key,
                                                                 scratch.name if scratch else None)
@@ -83,6 +84,8 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
             if error.kind == MemoryNeeded.__name__:  # the child checked before building: its line is the user's
                 raise MemoryNeeded(str(error)) from None
             raise GraphoptError(f"exporting the decoder of {checkpoint.name} failed ({error.kind}: {error})") from None
+        finally:
+            _stop_prepack(packer, key)
         kept, stages = Path(made["path"]), made["stages"]
         notes += made["notes"] + [f"export: {f['where']}: {f['reason']}" for f in made["fallbacks"]]
         reports = made["records"]
@@ -97,6 +100,33 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     runner.notes, runner.reports = notes, reports
     runner._scratch = scratch  # the written decoder's folder lives as long as the runner
     return runner
+
+
+def _prepack_dir(key: str) -> Path:
+    from graphopt.cache_root import cache_root
+
+    return cache_root() / "prepack" / key
+
+
+def _start_prepack(checkpoint, key: str | None):
+    """The checkpoint's prepack (sources/gguf_prepack.py) in a child of its own, beside the
+    export: started here, after the tokenizer's child is done, so that it takes the core the
+    export leaves idle rather than one of the two it shares with the tokenizer."""
+    from graphopt.forked import fork_available, start_forked
+
+    if key is None or checkpoint.prepack is None or not fork_available():
+        return None
+    return start_forked(checkpoint.prepack.run, str(_prepack_dir(key)))
+
+
+def _stop_prepack(packer, key: str | None) -> None:
+    """The export has written its weights: the prepacked fields served it, or came too late."""
+    if packer is None:
+        return
+    import shutil
+
+    packer.cancel()
+    shutil.rmtree(_prepack_dir(key), ignore_errors=True)
 
 
 def _check_kept_fits(kept: Path, name: str) -> None:
@@ -119,6 +149,8 @@ def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> 
     from graphopt.export.files import Timer
 
     torch.set_num_threads(torch.get_num_threads())  # the child's own OpenMP pool, not the parent's
+    if key and checkpoint.prepack is not None:  # the weights the prepack child re-lays out meanwhile
+        checkpoint.prepack.use(_prepack_dir(key))
     timer = Timer(None)
     with timer("load"):
         model = checkpoint.build()
