@@ -29,7 +29,7 @@ import torch
 from graphopt import lazy_weights
 
 from graphopt.sources import gguf_blocks as blocks_mod
-from graphopt.sources.gguf_file import GGUFFile
+from graphopt.sources.gguf_file import GGUFFile, open_gguf
 from graphopt.ops.quant_blocks import BlockFormat, BlockQuantized
 from graphopt.sources import gguf_prepack
 
@@ -207,7 +207,7 @@ def lazy_model(path: str | Path, dtype: torch.dtype = torch.float32) -> LazyGGUF
     from accelerate import init_empty_weights
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
-    file = GGUFFile(path)
+    file = open_gguf(path)
     config_dict = gguf_config(file)
     model_type = config_dict.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **config_dict)

@@ -25,11 +25,11 @@ def needed_bytes(path: Path, weights: str) -> tuple[int, list[tuple[str, int]]]:
     MatMulNBits has no kernel of their width; float32 where dequantized, twice over for
     transformers' float model and the runtime's copy of it) and the runtime's own share."""
     from graphopt.memory import RUNTIME_BYTES
-    from graphopt.sources.gguf_file import GGUFFile
+    from graphopt.sources.gguf_file import open_gguf
     from graphopt.sources.gguf_lazy import FORMATS
 
     try:
-        file = GGUFFile(path)
+        file = open_gguf(path)
     except GGUFFormatError as exc:
         raise ModelLoadError(f"{exc}; check the file (a download cut short?)") from None
     own = dense = 0

@@ -87,10 +87,10 @@ def _convert_and_keep(spec: str) -> None:
 def _from_gguf(path: Path) -> Any:
     """The tokenizer a .gguf describes, as transformers builds it, from graphopt's reader of the
     file (transformers' own path reads it with gguf's reader first: 19 s for a 151k vocabulary)."""
-    from graphopt.sources.gguf_file import GGUFFile
+    from graphopt.sources.gguf_file import open_gguf
     from graphopt.sources.gguf_lazy import gguf_config, gguf_tokenizer
 
-    file = GGUFFile(path)
+    file = open_gguf(path)
     try:
         model_type = gguf_config(file)["model_type"]
     except NotImplementedError:  # an architecture gguf_lazy does not map: the generic fast tokenizer
