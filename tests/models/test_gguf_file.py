@@ -60,3 +60,14 @@ def test_a_file_cut_short_is_refused_with_where(tiny, tmp_path):
     header_only.write_bytes(tiny.read_bytes()[:200])
     with pytest.raises(GGUFFormatError, match="cut short or damaged"):
         GGUFFile(header_only)
+
+
+def test_a_file_is_parsed_once_until_it_changes(tmp_path):
+    from graphopt.sources.gguf_file import open_gguf
+
+    path = write_tiny(tmp_path / "tiny.gguf", "llama", {"ffn_down": T.Q8_0})
+    first = open_gguf(path)
+    assert open_gguf(str(path)) is first
+    write_tiny(path, "llama", {"ffn_down": T.Q6_K})  # rewritten in place: same inode, other bytes
+    again = open_gguf(path)
+    assert again is not first and again.tensors["blk.0.ffn_down.weight"].type == T.Q6_K
