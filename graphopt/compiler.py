@@ -194,6 +194,10 @@ def _guard_runtime(compiled: Callable, gm: fx.GraphModule, example_inputs, confi
         try:
             return state["fn"](*args)
         except Exception as error:
+            from graphopt.distributed.failures import collective_failed
+
+            if collective_failed(error):  # a broken process group: the launcher names the rank and collective
+                raise
             reason = f"{type(error).__name__}: {error}"
             state["fn"] = _fall_back(gm, example_inputs, config, report, f"target:{target_name} (run)", reason, error)
             state["failed"] = True

@@ -119,3 +119,15 @@ def one_line(failures: list[RankFailure], world: int, timeout_s: float) -> str:
                 f"(raise --tp-timeout if the ranks are only slow, e.g. on a busy machine)")
     f = by_kind["peer_lost"][0]
     return f"rank {f.rank}: {f.collective} failed: another rank closed its connection ({f.text})"
+
+
+def collective_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a process group's collective failing (a timeout, a lost peer)
+    rather than the code around it: torch.distributed's own errors, or gloo's words for them
+    while a group is up. A target that meets one must not fall back and run the graph again:
+    eager would wait on the same broken group, or put the ranks' collectives out of step."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    return any(marker in str(error) for marker in TIMEOUT_MARKERS + PEER_LOST_MARKERS)

@@ -56,8 +56,16 @@ class FailsAtRunTarget:
         return Compiled(run)
 
 
+class CollectiveFailsAtRunTarget(FailsAtRunTarget):
+    def compile(self, gm, example_inputs, config):
+        def run(*args):
+            raise torch.distributed.DistBackendError("[gloo] Connection closed by peer [127.0.0.1]:29500")
+        return Compiled(run)
+
+
 broken = BrokenTarget()
 fails_at_run = FailsAtRunTarget()
+collective_fails_at_run = CollectiveFailsAtRunTarget()
 
 
 class Norm(nn.Module):
@@ -114,6 +122,17 @@ def test_target_failing_at_run_time_falls_back(monkeypatch):
     assert_matches_eager(compiled(x), eager(Norm(), x), rel=1e-6)  # stays on eager
     (report,) = graphopt.reports()
     assert report.fallbacks == [{"where": "target:tensorrt (run)", "reason": "RuntimeError: kernel launch failed"}]
+
+
+def test_a_failed_collective_is_raised_not_rerun_on_eager(monkeypatch):
+    # Eager would wait on the same broken process group; the TP launcher names rank and collective.
+    where = "tests.core.test_fallback:collective_fails_at_run"
+    monkeypatch.setitem(targets.ENTRIES, "tensorrt", dataclasses.replace(targets.ENTRIES["tensorrt"], where=where))
+    compiled = _compile(Norm(), {"target": "tensorrt"})
+    with pytest.raises(torch.distributed.DistBackendError, match="Connection closed by peer"):
+        compiled(torch.randn(3, 8))
+    (report,) = graphopt.reports()
+    assert report.fallbacks == []
 
 
 def test_failing_target_raises_with_fallback_error(monkeypatch):
