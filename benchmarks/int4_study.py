@@ -26,10 +26,11 @@ tied head in fp32, since its weight reaches the MatMul through a Transpose):
   block 32 (float zero points: MatMulNBits' slow path, so a quality row, not a speed one);
 - ``rtn-head32``: graphopt round-to-nearest with the head fp32, ORT's recipe exactly;
 - ``rtn``, ``rtn-asym``, ``rtn-g128``: graphopt round-to-nearest, head at 8 bits: symmetric,
-  asymmetric, symmetric in groups of 128;
+  asymmetric (``--int4``'s default, picked by this study), symmetric in groups of 128;
 - ``mse-asym``: graphopt's per-group scale and zero point search on weight error, head 8 bits;
-- ``gptq``: ``--int4``'s options as they stand (act-order GPTQ calibrated on the export's
-  example token ids, head 8 bits); ``gptq-text``: the same calibrated on the calibration text.
+- ``gptq``: act-order GPTQ, symmetric, calibrated on the export's 32 example token ids, head 8
+  bits (``--int4``'s default before this study); ``gptq-text``: the same calibrated on the
+  calibration text (``--calibration-text``).
 
 ``quant s`` is the quantization alone: the quantize_int4 pass (its calibration run included)
 or ORT's ``process()``; ``holds vs X`` says whether a method's perplexity increase is at most
@@ -57,14 +58,16 @@ from rich.table import Table
 LICENSE = Path("/usr/share/common-licenses/Apache-2.0")
 MANPAGE = Path("/usr/share/man/man1/grep.1.gz")
 ORT = {"ort-rtn": {}, "ort-rtn-asym": {"symmetric": False}, "ort-hqq": {"algorithm": "hqq"}}
+# Every option spelled out, so that a row means the same method whatever Int4Options' defaults are.
+RTN, GPTQ = {"search": "rtn", "symmetric": True, "group_size": 32}, {"search": "gptq", "symmetric": True, "act_order": True}
 GRAPHOPT = {
-    "rtn-head32": {"search": "rtn", "head_bits": 32},
-    "rtn": {"search": "rtn"},
-    "rtn-asym": {"search": "rtn", "symmetric": False},
-    "rtn-g128": {"search": "rtn", "group_size": 128},
-    "mse-asym": {"search": "mse", "symmetric": False},
-    "gptq": {},
-    "gptq-text": {"calibration": None},  # filled with the calibration text's ids
+    "rtn-head32": {**RTN, "head_bits": 32},
+    "rtn": RTN,
+    "rtn-asym": {**RTN, "symmetric": False},
+    "rtn-g128": {**RTN, "group_size": 128},
+    "mse-asym": {**RTN, "search": "mse", "symmetric": False},
+    "gptq": GPTQ,
+    "gptq-text": {**GPTQ, "calibration": None},  # filled with the calibration text's ids
 }
 VARIANTS = ("fp32", *ORT, *GRAPHOPT)
 PEERS = ("ort-rtn", "ort-rtn-asym")  # ONNX Runtime's round-to-nearest: the bar a default must meet

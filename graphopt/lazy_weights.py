@@ -290,7 +290,9 @@ def calibrates(options: Any) -> str | None:
     int4 = dict(options.pass_options.get("quantize_int4") or {})
     if int4.get("budget"):
         return "--int4-budget measures each layer's error on the weights"
-    if int4.get("search", "gptq") == "gptq":
-        return ("--int4's GPTQ calibrates on the weights (to stream them instead: "
-                "--option 'pass_options={\"quantize_int4\": {\"search\": \"rtn\"}}')")
+    from graphopt.quant.groupwise import DEFAULT_SEARCH
+
+    if int4.get("search", DEFAULT_SEARCH) == "gptq":
+        return ("--int4's GPTQ (--calibration-text) calibrates on the weights (to stream them instead: "
+                "drop --calibration-text, or --option 'pass_options={\"quantize_int4\": {\"search\": \"rtn\"}}')")
     return None

@@ -9,16 +9,19 @@ plus one fp32 scale per 32 weights are 5 bits a weight: 0.156x the bytes of fp32
 Backends dequantize inside the GEMM's K loop (MatMulNBits, the Triton INT4 kernel), so
 a full-precision copy of the weight never exists at run time.
 
-Scales come from GPTQ-style error feedback on calibration activations (``search="gptq"``,
-graphopt/quant/gptq.py): the graph itself runs on the calibration inputs (given token
-ids, else the example inputs) and each weight is quantized to keep its layer's *output*
-close on them, visiting the input channels with the most activation energy first
-(``act_order``, on by default; the groups stay block-wise along K, so the format is
-unchanged): on SmolLM2-135M that took the perplexity increase of 4 bits from 2.98 (GPTQ in
-K order) to 1.74 (torch fake-quant, 512 calibration tokens, LM head fp32; RTN: 2.91).
-``search="rtn"`` is plain round-to-nearest, which for symmetric groups is
-exactly ONNX Runtime's MatMulNBitsQuantizer; ``"mse"`` minimises each weight's own error,
-which on a trained model (SmolLM2-135M) raised perplexity more than RTN did.
+By default each group is rounded to the nearest of 16 levels over its [min, max]
+(``search="rtn"``, ``symmetric=False``: a uint8 zero point per group, MatMulNBits' fast
+path): measured on three held-out texts (benchmarks/int4_study.py) it never lost more
+perplexity than ONNX Runtime's own round-to-nearest, and it reads nothing but each weight,
+so a checkpoint streams through it (graphopt/quant/groupwise.py says why it is the default).
+Symmetric ``"rtn"`` is exactly ONNX Runtime's MatMulNBitsQuantizer; ``"mse"`` minimises
+each weight's own error, which on a trained model (SmolLM2-135M) raised perplexity more than
+RTN did. ``search="gptq"`` (opt-in; ``--calibration-text`` asks for it) is GPTQ-style error
+feedback on calibration activations (graphopt/quant/gptq.py): the graph itself runs on the
+calibration inputs (given token ids, else the example inputs) and each weight is quantized
+to keep its layer's *output* close on them, visiting the input channels with the most
+activation energy first (``act_order``; the groups stay block-wise along K, so the format
+is unchanged). It needs the weights in memory and costs 25-50x RTN's time.
 
 A linear whose result is a graph output (an LM head: every logit depends on it) gets
 ``head_bits`` (8: ``graphopt.int8_linear``, MatMulNBits bits=8). With a ``budget`` (the
@@ -67,7 +70,8 @@ from graphopt.pass_manager import PassContext, PassResult
 from graphopt.passes import _quantize_embedding, _quantize_moe
 from graphopt.quant import gptq, groupwise
 from graphopt.quant import plan as quant_plan
-from graphopt.quant.groupwise import SCALE_DTYPE_NAMES, SEARCHES, Int4Weight, relative_error
+from graphopt.quant.groupwise import (DEFAULT_SEARCH, DEFAULT_SYMMETRIC, SCALE_DTYPE_NAMES, SEARCHES, Int4Weight,
+                                     relative_error)
 from graphopt.quant.report import summarize_layers
 from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
 from graphopt.rewrite.linears import match_linear, param_name
@@ -83,16 +87,17 @@ class Int4Options:
     group_size_8bit: int = field(default=128, metadata={
         "help": "weights per scale of the 8-bit weights (LM head, layers the budget moves, 8-bit embeddings): "
                 "32, 64 or 128"})
-    symmetric: bool = field(default=True, metadata={
-        "help": "no zero points (an implied 8); false stores a 4-bit zero point per group"})
+    symmetric: bool = field(default=DEFAULT_SYMMETRIC, metadata={
+        "help": "no zero points (an implied 8); false (default) stores a 4-bit zero point per group"})
     scale_dtype: str = field(default="auto", metadata={
         "help": "dtype of the scales: auto (the activations' dtype, what MatMulNBits reads) | float16 | "
                 "bfloat16 | float32"})
     skip: list = field(default_factory=list, metadata={
         "help": 'fnmatch patterns of parameter names to leave in full precision, e.g. ["*lm_head*"]'})
     min_size: int = field(default=0, metadata={"help": "leave weights with fewer elements in full precision"})
-    search: str = field(default="gptq", metadata={
-        "help": "gptq: error feedback on calibration activations; rtn: round-to-nearest; mse: weight-error search"})
+    search: str = field(default=DEFAULT_SEARCH, metadata={
+        "help": "rtn (default, streams) | gptq: calibrated, loads weights; SmolLM2-135M 202-406 s vs rtn 8 s | "
+                "mse: weight error"})
     calibration: list = field(default_factory=list, metadata={
         "help": "token ids to calibrate on (gptq, budget); empty: the example inputs"})
     act_order: bool = field(default=True, metadata={
@@ -317,12 +322,13 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
         return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
                                           options.act_order)
 
-    q = quantize(bits)
     if lazy_weights.is_lazy(w):
         # Still in its checkpoint: quantized from the file when the runtime's weights are written,
         # one weight at a time (calibration and a budget need the data now: the caller loads it).
+        q = _lazy_like(w, quantize(bits, torch.ones(1, w.shape[1], dtype=w.dtype)))
         lazy_weights.derive_each(lambda real: _fields(quantize(bits, real)), [w], _fields(q))
         return q, _layer_record(name, w, q, options, m.weight.target, search, None)
+    q = quantize(bits)
     record = _layer_record(name, w, q, options, m.weight.target, search, h)
     if both and bits != 8:
         q8 = quantize(8)
@@ -340,6 +346,15 @@ def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = F
 
 def _fields(q: Int4Weight) -> tuple:
     return q.packed, q.scales, q.zeros
+
+
+def _lazy_like(w: torch.Tensor, row: Int4Weight) -> Int4Weight:
+    """Fake tensors shaped as ``w``'s quantized weight, from one row quantized for real (rows
+    quantize independently, so each part is [N, what one row takes]); running the quantizer on
+    the fake weight itself gives the same shapes at seconds a layer."""
+    with lazy_weights.mode_of(w):
+        parts = [None if t is None else torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype) for t in _fields(row)]
+    return Int4Weight(*parts, row.group_size, row.in_features, row.bits)
 
 
 def _constant(gm: fx.GraphModule, name: str, suffix: str, tensor: torch.Tensor | None) -> fx.Node | None:

@@ -1,5 +1,6 @@
 """``graphopt export --int4 --calibration-text FILE [--calibration-tokens N] [--int4-budget F]``:
-what INT4 calibrates on, turned into ``quantize_int4``'s options.
+what INT4 calibrates on, turned into ``quantize_int4``'s options. A calibration text switches
+the search to GPTQ (unless ``--option`` names one): the default, round-to-nearest, reads no text.
 
 The text is read as UTF-8 and tokenized with the model's own tokenizer (graphopt/sources/tokenizers.py:
 a .gguf file, or a checkpoint directory with tokenizer.json); its first N token ids become
@@ -68,8 +69,9 @@ def with_int4_options(config: Options, calibration: list[int] | None, budget: fl
     ``embedding_bits`` (those given), over what ``--option pass_options=...`` set; checked by
     Int4Options itself."""
     mine: dict[str, Any] = {}
-    if calibration:
+    if calibration:  # a text to calibrate on asks for the method that reads it (rtn, the default, does not)
         mine["calibration"] = list(calibration)
+        mine["search"] = config.pass_options.get(PASS_NAME, {}).get("search", "gptq")
     if budget is not None:
         mine["budget"] = float(budget)
     if embedding_bits is not None:

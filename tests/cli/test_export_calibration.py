@@ -73,12 +73,12 @@ def test_the_budget_reaches_the_pass_and_buys_8_bit_layers(calibrated):
     assert record["stats"]["bytes_ratio_fp32"] <= 0.25
 
 
-def test_without_a_text_the_summary_says_it_calibrated_on_the_example_inputs(tmp_path):
+def test_without_a_text_the_summary_says_round_to_nearest_calibrated_nothing(tmp_path):
     result = CliRunner().invoke(app, ["export", "llama-tiny", "-o", str(tmp_path / "q.onnx"), "--int4",
                                       "--no-validate"], terminal_width=300)
     assert result.exit_code == 0, result.output + repr(result.exception)
-    line = next(line for line in result.stdout.splitlines() if line.startswith("INT4 calibrated on"))
-    assert "the example inputs" in line and "the pass: example inputs: " in line
+    line = next(line for line in result.stdout.splitlines() if line.startswith("INT4 "))
+    assert "round-to-nearest" in line and "--calibration-text" in line
 
 
 def error_lines(args, tmp_path, capsys, monkeypatch) -> list[str]:

@@ -37,4 +37,4 @@ def test_a_linear_becomes_int4_linear_on_the_quantized_weight():
         scales = b.const("proj.weight.scales", q.scales, by=PASS)
         gemm = b.new(g.int4_linear.default, x, packed, scales, None, 32, bias_node, by=PASS)
         expected = b.output(b.op(aten.relu.default, gemm))
-        assert_pass_result(PASS, before, expected, search="rtn")
+        assert_pass_result(PASS, before, expected, search="rtn", symmetric=True)

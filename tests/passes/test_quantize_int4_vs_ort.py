@@ -78,7 +78,7 @@ def our_layer_errors(report, params: dict) -> dict[str, float]:
 def test_rtn_reproduces_onnxruntimes_quantizer_weight_by_weight(setup, block):
     model, ids, reference, proto = setup
     params = {n: p.detach() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
-    options = {"group_size": block, "search": "rtn", "head_bits": 4, "scale_dtype": "float32"}
+    options = {"group_size": block, "search": "rtn", "symmetric": True, "head_bits": 4, "scale_dtype": "float32"}
     _, report = compile_with_graphopt(model, ids, passes=PIPE, pass_options={"quantize_int4": options})
     theirs = ort_layer_errors(ort_int4(proto, block), params)
     ours = our_layer_errors(report, params)

@@ -169,10 +169,12 @@ def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, reque
 
 def test_gptq_needs_the_weights_and_says_how_to_stream(llama_bf16, tmp_path):
     loaded = load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True)
-    result = export(loaded, tmp_path / "m.onnx", int4=True)
+    gptq = Options.parse({"pass_options": {"quantize_int4": {"search": "gptq"}}})
+    result = export(loaded, tmp_path / "m.onnx", config=gptq, int4=True)
     reasons = [f["reason"] for f in result.fallbacks if f["where"] == "pass:quantize_int4"]
     assert reasons and "search=rtn" in reasons[0]
-    assert lazy_weights.calibrates(Options.parse({"int4": True})) is not None
+    assert lazy_weights.calibrates(gptq.replace(int4=True)) is not None
+    assert lazy_weights.calibrates(Options.parse({"int4": True})) is None  # the default, rtn, streams
     assert lazy_weights.calibrates(Options.parse({"int4": True, "pass_options": RTN})) is None
     assert lazy_weights.calibrates(Options.parse({})) is None
 
