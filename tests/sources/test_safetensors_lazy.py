@@ -148,10 +148,10 @@ def test_a_half_checkpoint_keeps_its_bytes_when_asked_for_its_dtype(qwen_fp16, l
     assert weight.dtype == torch.bfloat16 and torch.equal(weight.view(torch.int16), stored.view(torch.int16))
 
 
-@pytest.mark.parametrize("fixture", ["llama_bf16", "qwen_fp32"])
-def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, request, tmp_path):
+@pytest.mark.parametrize("fixture,symmetric", [("llama_bf16", True), ("qwen_fp32", False)])
+def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, symmetric, request, tmp_path):
     folder = request.getfixturevalue(fixture)
-    config = Options.parse({"pass_options": RTN})
+    config = Options.parse({"pass_options": {"quantize_int4": {"search": "rtn", "symmetric": symmetric}}})
     streamed = load_model(str(folder), batch=2, seq_len=8, stream_weights=True)
     in_memory = load_model(str(folder), batch=2, seq_len=8)
     assert not lazy_weights.has_lazy_weights(in_memory.module)
@@ -161,7 +161,8 @@ def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, reque
     lazy, whole = initializers(tmp_path / "lazy.onnx"), initializers(tmp_path / "whole.onnx")
     assert sorted(lazy) == sorted(whole)
     quantized = [n for n, v in lazy.items() if v.dtype == np.uint8]
-    assert len(quantized) == 4 * LAYERS + 1  # every linear's codes (q/k/v and gate/up merged), the head
+    # every linear's codes (q/k/v and gate/up merged) and the head's, and the 4-bit zero points
+    assert len(quantized) == (4 * LAYERS + 1) + (0 if symmetric else 4 * LAYERS)
     for name in lazy:
         assert np.array_equal(lazy[name], whole[name]), name
     assert np.array_equal(run_onnx(tmp_path / "lazy.onnx", IDS), run_onnx(tmp_path / "whole.onnx", IDS))
