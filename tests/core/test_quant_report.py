@@ -28,7 +28,7 @@ def test_int4_summary_of_a_compile_report():
     module = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32, bias=False))
     _, report = compile_with_graphopt(module, torch.randn(4, 64), passes=["canonicalize", "quantize_int4"],
                                       pass_options={"quantize_int4": {"group_size": 64, "symmetric": False, "scale_dtype": "float16",
-                                                                     "head_bits": 4}})
+                                                                     "head_bits": 4, "search": "gptq"}})
     for source in (report, report.to_dict(), [report]):
         summary = int4_summary(source)
         assert summary["quantized_weights"] == 2
