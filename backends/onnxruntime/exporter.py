@@ -28,6 +28,11 @@ class OnnxExporter:
         model.notes = list(optimized.program.notes)
         return model
 
+    def pass_records(self, model) -> list:
+        """The ONNX-level passes the lowering ran on ``model`` (onnx_passes/runner.py), as the
+        report's PassRecords: they follow the FX passes in the export's records."""
+        return list(model.passes.records)
+
     def open(self, path: str, provider: str):
         """A runner on the written file: ``runner(*inputs) -> list of tensors``."""
         from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session

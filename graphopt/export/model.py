@@ -37,6 +37,8 @@ class Exporter(Protocol):
     def lower(self, optimized: Optimized, *, axis_names: Sequence[dict[int, str] | None], input_names: Sequence[str],
               output_names: Sequence[str] | None = None, opset: int | None = None) -> Any: ...
 
+    def pass_records(self, lowered: Any) -> list: ...  # the passes the lowering itself ran (report.PassRecord)
+
     def open(self, path: str, provider: str) -> Any: ...
 
 
@@ -112,7 +114,8 @@ def export_model(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
             input_sets = [list(example_inputs), resample_like(example_inputs)]
             exported.validation = validate(str(destination), _reference(module, result.gm), input_sets,
                                            config.provider, flatten_outputs, to)
-    return ExportResult([exported], timer.seconds, [r.to_dict() for r in result.records], list(result.fallbacks))
+    records = [r.to_dict() for r in [*result.records, *to.pass_records(model)]]
+    return ExportResult([exported], timer.seconds, records, list(result.fallbacks))
 
 
 def _reference(module: torch.nn.Module, optimized):

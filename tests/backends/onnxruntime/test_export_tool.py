@@ -56,6 +56,10 @@ def test_export_writes_a_model_that_matches_eager_on_two_shapes(tmp_path):
         assert model["fused_ops"].get(ort_op, 0) == graphopt_ops.get(op, 0)
     assert set(data["stages_s"]) == {"load", "torch.export", "passes", "onnx export", "save", "validate"}
     assert os.listdir(tmp_path) == ["llama.onnx"]  # no temporary files left behind
+    names = [p["name"] for p in data["passes"]]  # the ONNX-level passes follow the FX ones, reported alike
+    first_onnx = next(i for i, name in enumerate(names) if name.startswith("onnx:"))
+    assert "fuse_rms_norm" in names[:first_onnx] and all(n.startswith("onnx:") for n in names[first_onnx:])
+    assert any(p["name"] == "onnx:light_cleanup" and p["matches"] > 0 for p in data["passes"])
 
 
 def test_refuses_to_overwrite_without_force(tmp_path, capsys, monkeypatch):
