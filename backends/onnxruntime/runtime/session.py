@@ -70,10 +70,11 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     its outputs outside it (``bound_outputs.py``); ``session._graphopt_arena`` says which.
 
     An in-memory model (export.OnnxModel) on the CPU keeps its weights out of the bytes ORT
-    parses: they are handed over as OrtValues, which ORT copies (``weights_in_memory.py``),
-    so a model of any size loads without files. On other providers a model over 2 GB is
-    written to a temporary folder with external data and loaded from there (protobuf cannot
-    hold it in memory); the folder lives as long as the session.
+    parses: they are handed over as OrtValues that the session reads in place, with no copy
+    of its own (``weights_in_memory.py``), so a model of any size loads without files. On
+    other providers a model over 2 GB is written to a temporary folder with external data and
+    loaded from there (protobuf cannot hold it in memory); the folder lives as long as the
+    session.
     """
     import onnxruntime
 
@@ -95,7 +96,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     providers = [ep] if provider == "cpu" else [ep, "CPUExecutionProvider"]
     keepalive = None
     source: Any = model
-    handed_over = None  # weights ORT copies while the session is created
+    handed_over = None  # weights the session reads in place: they live as long as it does
     if hasattr(model, "to_bytes") and provider == "cpu":  # other providers: not tried on a device yet
         source, handed_over = serialize_sharing_weights(model, session_options)
     elif hasattr(model, "to_bytes"):
@@ -109,7 +110,6 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
         session = onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
     except Exception as error:  # every caller (compile, generate's decoders, export) gets one clear line
         raise missing_kernel(error, model, provider) or error
-    del handed_over  # copied into the session: no longer needed
     # The Python session keeps the model bytes it was made from, only to rebuild itself in
     # set_providers(), which graphopt never calls: a second copy of every weight for the
     # session's whole life (600 MB on llama-small). The C++ session has its own copy.
@@ -119,6 +119,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
         raise ProviderUnavailable(f"provider {provider} is installed but did not start (no device?); "
                                   f"use provider=cpu or check the {PROVIDERS[provider][1]} install")
     session._graphopt_keepalive = keepalive  # noqa: SLF001  (the external-data folder)
+    session._graphopt_weights = handed_over  # noqa: SLF001  (the buffers it computes on)
     session._graphopt_arena = arena  # noqa: SLF001
     return session
 

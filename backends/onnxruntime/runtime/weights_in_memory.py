@@ -1,17 +1,31 @@
-"""Give ONNX Runtime an in-memory model's weights as OrtValues instead of serializing them.
+"""Give ONNX Runtime an in-memory model's weights as OrtValues instead of serializing them,
+and let the session compute on those buffers instead of copies of its own.
 
 Serializing a model copies every weight into the protobuf, then into its bytes, and ORT
 copies them out again when it parses the bytes: 2.3-3.5 s of the 3.5-4.7 s that opening a
 llama-small session took. Here the model is serialized with its large initializers marked
 as external data at a location that names no file, and ORT is handed each one as an
 OrtValue (``SessionOptions.add_external_initializers``), which it takes in place of reading
-the file. ORT copies that data into the session while it loads the model (its documented
-contract: the buffers may be freed once the session exists), so the OrtValues are views of
-the weights where they are contiguous and the caller drops them after creating the
-session; an in-place edit of a weight afterwards does not reach the session, as before.
-llama-small: 4.7 -> 1.2 s to open the session; a model over protobuf's 2 GB limit needs
-no temporary files. A Linear's weight, which the model reads transposed, is handed over as
-torch holds it, with no transposed copy (``transposed_weights.py``).
+the file. A model over protobuf's 2 GB limit needs no temporary files. A Linear's weight,
+which the model reads transposed, is handed over as torch holds it, with no transposed copy
+(``transposed_weights.py``).
+
+ORT copies external initializers into the graph it loads, and its CPU MatMul kernels then
+prepack each float weight into a layout of their own: one more copy of every weight per
+session, beside the module's own (under ``torch.compile`` the user's module keeps its
+weights). A model compiled as a prefill graph and a decode graph had two; transformers'
+``generate`` on Qwen2.5-Coder-0.5B peaked at 10.1 GB where eager stays at 3.9 GB. So each
+weight is also given to the session as its own initializer (``SessionOptions.add_initializer``:
+the session reads the buffer in place for its whole life, which these OrtValues' holders,
+kept on the session, guarantee), the graph's copy is freed once the session exists, and a
+model whose only prepacking kernels are float matmuls opens with prepacking off
+(``prepacking_pays``). Every session then computes on the module's own buffers: no weight
+copy per session, only the graph's while it loads. Unpacked float weights cost nothing at
+one row (MLAS reads a weight in place for a matrix-vector product: a decode step measured
+as fast or faster) and about 15% on a prefill's MatMuls; a quantized model (``MatMulNBits``
+and the other kernels in ``PREPACK_PAYS``) keeps prepacking, which its kernels need for
+their speed, and its weights are its own tensors, not the module's. An in-place edit of a
+module's weight after the compile now reaches the session, as it reaches eager torch.
 """
 
 from __future__ import annotations
@@ -22,12 +36,27 @@ from graphopt.backends.onnxruntime.onnx_passes.transposed_weights import multipl
 
 IN_MEMORY = "graphopt-in-memory"  # the external-data location: no file, ORT gets the values
 MIN_BYTES = 1024  # smaller initializers stay in the model's bytes
+# Kernels whose prepacked layout is what makes them fast (quantized matmuls, convolutions,
+# recurrent and attention ops with weights): a model with one keeps ORT's prepacking.
+PREPACK_PAYS = frozenset({"MatMulNBits", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
+                          "QLinearMatMul", "MatMulBnb4", "GatherBlockQuantized", "Conv", "ConvTranspose",
+                          "QLinearConv", "FusedConv", "NhwcFusedConv", "LSTM", "GRU", "DynamicQuantizeLSTM",
+                          "Attention", "QAttention", "MoE", "QMoE"})
+
+
+def prepacking_pays(graph: Any) -> bool:
+    """Whether an onnx_ir ``graph`` (or a subgraph of it) has a kernel in ``PREPACK_PAYS``."""
+    import onnx_ir as ir
+
+    return any(node.op_type in PREPACK_PAYS for node in ir.traversal.RecursiveGraphIterator(graph))
 
 
 def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list]:
     """``model`` (an export.OnnxModel) as bytes without its large initializers, which are
-    added to ``session_options`` instead. Returns (the bytes, the OrtValues and the buffers
-    under them, to keep until the session is created). The model itself is left as it was."""
+    added to ``session_options`` instead, both as the graph's data and as the session's own
+    initializers. Returns (the bytes, the OrtValues and the buffers under them, which the
+    session reads in place: keep them as long as it lives). Turns prepacking off where it does
+    not pay (``prepacking_pays``). The model itself is left as it was."""
     import onnx_ir as ir
     import onnxruntime
     import torch
@@ -67,4 +96,8 @@ def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, 
     data = proto.SerializeToString()
     if names:
         session_options.add_external_initializers(names, values)
+        for name, ortvalue in zip(names, values):
+            session_options.add_initializer(name, ortvalue)
+        if not prepacking_pays(graph):
+            session_options.add_session_config_entry("session.disable_prepacking", "1")
     return data, [arrays, values]
