@@ -17,6 +17,7 @@ from graphopt.cli import debug_print
 from graphopt.cli.common import MODEL_HELP, load, parse_options
 from graphopt.cli.output import print_json, step
 from graphopt.errors import OptionsError
+from graphopt.sources.model_kind import decodes
 
 
 def debug(
@@ -139,7 +140,7 @@ def _routing(model: str, config, seq_len: int, seed: int, steps: int, json_out: 
         raise OptionsError(f"--decode-steps must be at least 2 to compare consecutive steps, got {steps}")
     with step(f"loading {model}", json_out):
         loaded = load_model(model, seed, batch=1, seq_len=seq_len, single_output=False)
-    if loaded.family not in ("llama", "hf-causal-lm"):
+    if not decodes(loaded.module):
         raise OptionsError(f"--routing decodes a causal LM with MoE layers (e.g. a Mixtral config.json); "
                            f"{model} is a {loaded.family} model")
     graphopt.reset()

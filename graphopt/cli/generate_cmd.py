@@ -17,6 +17,7 @@ import typer
 from graphopt.cli.common import parse_options
 from graphopt.cli.output import console, print_json, step
 from graphopt.errors import GraphoptError
+from graphopt.sources.model_kind import is_causal_lm
 
 MODEL_HELP = ("a .gguf file (run on its own quantized weights), or a Hugging Face checkpoint directory with "
               "safetensors weights and tokenizer.json")
@@ -121,7 +122,7 @@ def _load_causal_lm(model: str, dequantize: bool):
     from graphopt.sources import load_model
 
     loaded = load_model(model, single_output=False, gguf_weights="dequantize" if dequantize else "file")
-    if loaded.family != "hf-causal-lm":
+    if not is_causal_lm(loaded.module):
         raise GraphoptError(f"graphopt generate needs a causal LM; {model} is a {loaded.family} model")
     return loaded
 

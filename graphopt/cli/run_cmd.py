@@ -13,6 +13,7 @@ import typer
 
 from graphopt.cli.common import MODEL_HELP, load, parse_options, time_ms
 from graphopt.cli.output import console, print_json, step, table
+from graphopt.sources.model_kind import decodes
 
 
 def run(
@@ -143,7 +144,7 @@ def _run_generate(spec: str, config, batch: int, seq_len: int, seed: int, tokens
         raise GraphoptError(f"--generate needs at least 1 token, got {tokens}")
     with step(f"loading {spec}", json_out):
         loaded = load_model(spec, seed, batch=batch, seq_len=seq_len, single_output=False)
-    if loaded.family not in ("llama", "hf-causal-lm"):
+    if not decodes(loaded.module):
         raise GraphoptError(f"--generate needs a causal LM; {spec} is a {loaded.family} model")
     input_ids = loaded.example_inputs[0]
     graphopt.reset()

@@ -59,8 +59,10 @@ def _build_folder(path: Path, dtype: str):
 
     loaded = hf_model(str(path), read_config(path / "config.json"), checkpoint_files(path), 0, 1, 1, False,
                       getattr(torch, dtype), stream=True)
-    if loaded.family != "hf-causal-lm":
-        raise ModelLoadError(f"{path} holds a {loaded.family} model; generating text needs a causal LM")
+    from graphopt.sources.model_kind import is_causal_lm, model_kind
+
+    if not is_causal_lm(loaded.module):
+        raise ModelLoadError(f"{path} holds a {model_kind(loaded.module)} model; generating text needs a causal LM")
     return loaded.module
 
 

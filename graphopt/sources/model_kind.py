@@ -42,6 +42,11 @@ def model_kind(model: Any) -> str:
     return EXPLICIT_CACHE if takes_cache else OTHER
 
 
+def decodes(model: Any) -> bool:
+    """A model graphopt.generate decodes: a transformers causal LM or an explicit-cache module."""
+    return model_kind(model) in (CAUSAL_LM, EXPLICIT_CACHE)
+
+
 def is_causal_lm(model: Any) -> bool:
     """A transformers model that generates from a cache of its own (decoder-only)."""
     return model_kind(model) == CAUSAL_LM
