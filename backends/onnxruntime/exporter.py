@@ -33,6 +33,17 @@ class OnnxExporter:
         report's PassRecords: they follow the FX passes in the export's records."""
         return list(model.passes.records)
 
+    def pass_near_misses(self, model) -> list:
+        """Where those passes stopped short (report.NearMiss, named ``onnx:<pass>``)."""
+        return list(model.passes.near_misses)
+
+    def lower_graph(self, gm, example_inputs):
+        """An optimized graph with concrete inputs -> its OnnxModel at their shapes, as a static
+        session build exports it (``graphopt debug --target onnxruntime`` shows its passes)."""
+        from graphopt.backends.onnxruntime.lower.export import export_graph
+
+        return export_graph(gm, list(example_inputs), dynamic=False, tidy_attention=True)
+
     def open(self, path: str, provider: str):
         """A runner on the written file: ``runner(*inputs) -> list of tensors``."""
         from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session

@@ -43,6 +43,7 @@ def debug(
     seed: int = typer.Option(0, help="seed for weights and inputs"),
     routing: bool = typer.Option(False, "--routing", help="MoE models: compile with record_routing, run the prompt and --decode-steps steps; print tokens per expert and top-k jitter per layer"),
     decode_steps: int = typer.Option(8, "--decode-steps", help="decode steps after the prompt for --routing"),
+    lower_target: str = typer.Option(None, "--target", help="also lower each optimized graph with this target's exporter (onnxruntime) and list its own passes (onnx:*) after graphopt's, with their near misses"),
     json_out: bool = typer.Option(False, "--json", help="print everything as JSON"),
 ) -> None:
     """Run graphopt's pipeline on MODEL with pass instrumentation.
@@ -53,6 +54,7 @@ def debug(
       graphopt debug llama-tiny --print-ir-after-change --diff
       graphopt debug llama-tiny --pipeline canonicalize,fuse_rms_norm,quantize_int4 --bisect --tolerance 1e-4
       graphopt debug llama-tiny --report out.html
+      graphopt debug llama-tiny --timing --target onnxruntime   # the ONNX-level passes too
       graphopt debug llama-tiny --reproducer repro/ ; graphopt debug --replay repro/
     """
     # The pipeline's machinery (dynamo, the instruments) loads with the command that runs it:
@@ -72,8 +74,10 @@ def debug(
     if bisect and bisect_limit >= 0:
         raise OptionsError("--bisect searches the rewrite limit itself; drop --bisect-limit (or drop --bisect to set it by hand)")
     # Unknown names fail now, with the list of known passes; fuse-rms-norm means fuse_rms_norm.
-    why, print_ir_before, print_ir_after, disable_pass = (
-        [get_pass(name).name for name in names] for names in (why, print_ir_before, print_ir_after, disable_pass))
+    why = [name if name.startswith("onnx:") else get_pass(name).name for name in why]  # onnx:*: --target's passes
+    print_ir_before, print_ir_after, disable_pass = (
+        [get_pass(name).name for name in names] for names in (print_ir_before, print_ir_after, disable_pass))
+    lowering = _exporter(lower_target) if lower_target else None
     config = parse_options([], pipeline=pipeline, disable_passes=list(disable_pass) or None,
                            bisect_limit=bisect_limit, tolerance=tolerance, target="eager")
     if routing:
@@ -107,10 +111,13 @@ def debug(
             instruments.append(writer)
         result, _ = run_pipeline(graph.gm, config, graph.example_inputs, instruments)
         results.append(_graph_result(index, result, checker, why))
+        if lowering is not None:
+            _add_lowering(results[-1], lowering, result.gm, graph.example_inputs, why)
         kept.append(keeper.changes)
     out = {"model": loaded.name, "pipeline": pipeline_text, "tolerance": tolerance, "graphs": results, "ir": printer.chunks}
     if why:  # a pass outside the pipeline looked at nothing: say so rather than "0 near misses"
-        out["why_not_in_pipeline"] = [name for name in why if name not in pipeline_text.split(",")]
+        ran = pipeline_text.split(",") + [p["name"] for g in results for p in g["passes"] if p["name"].startswith("onnx:")]
+        out["why_not_in_pipeline"] = [name for name in why if name not in ran]
     if bisect:
         _bisect(out, graphs, config, tolerance, command)
     if reproducer is not None:
@@ -192,6 +199,29 @@ def _command(model: str, pipeline: str, disabled: list[str], seq_len: int, seed:
     if seed != 0:
         parts += ["--seed", str(seed)]
     return shlex.join([*parts, *extra])
+
+
+def _exporter(name: str):
+    """The exporter target ``name`` lends (the ONNX Runtime target's); one line otherwise."""
+    from graphopt.targets import get_target
+
+    target = get_target(name)  # an unknown or unavailable target: its own one line
+    lowering = getattr(target, "exporter", None)
+    if lowering is None:
+        raise OptionsError(f"--target {name}: that target lends no exporter to show passes of; use --target onnxruntime")
+    return lowering
+
+
+def _add_lowering(g: dict, lowering, gm, example_inputs, why: list[str]) -> None:
+    """The lowering's own passes after graphopt's (their records and near misses), or why not."""
+    if example_inputs is None:  # symbolic inputs (a dynamic graph): no shapes to lower at
+        g["lowering"] = "not lowered: the graph has symbolic inputs"
+        return
+    model = lowering.lower_graph(gm, example_inputs)
+    wanted = {w.replace("-", "_") for w in why}
+    g["passes"] += [r.to_dict() for r in lowering.pass_records(model)]
+    g["near_misses"] += [m.to_dict() for m in lowering.pass_near_misses(model) if not wanted or m.pass_name in wanted]
+    g["lowering"] = f"lowered with {lowering.runtime}'s exporter"
 
 
 def _graph_result(index, result, checker, why) -> dict:

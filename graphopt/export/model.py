@@ -39,6 +39,10 @@ class Exporter(Protocol):
 
     def pass_records(self, lowered: Any) -> list: ...  # the passes the lowering itself ran (report.PassRecord)
 
+    def pass_near_misses(self, lowered: Any) -> list: ...  # where they stopped short (report.NearMiss)
+
+    def lower_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Any: ...  # at the inputs' static shapes
+
     def open(self, path: str, provider: str) -> Any: ...
 
 

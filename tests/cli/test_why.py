@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from typer.testing import CliRunner
 
 from graphopt.cli.main import app
@@ -43,3 +45,24 @@ def test_why_on_a_disabled_pass_says_so():
                                       "--disable-pass", "fuse_rms_norm", "--why", "fuse_rms_norm"])
     assert result.exit_code == 0, result.output
     assert "fuse_rms_norm: disabled (--disable-pass), so it looked at nothing" in result.stdout
+
+
+def test_target_onnxruntime_lists_the_onnx_passes_after_graphopts():
+    pytest.importorskip("onnxruntime")
+    result = CliRunner().invoke(app, ["debug", "llama-tiny", "--target", "onnxruntime", "--json",
+                                      "--why", "onnx:tidy_attention_layout"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    (graph,) = out["graphs"]
+    names = [p["name"] for p in graph["passes"]]
+    first = next(i for i, name in enumerate(names) if name.startswith("onnx:"))
+    assert "fuse_attention" in names[:first] and all(name.startswith("onnx:") for name in names[first:])
+    assert any(p["name"] == "onnx:light_cleanup" and p["matches"] > 0 for p in graph["passes"])
+    assert out["why_not_in_pipeline"] == []  # the onnx pass asked about ran
+    assert graph["lowering"] == "lowered with ONNX Runtime's exporter"
+
+
+def test_target_without_an_exporter_is_one_error():
+    result = CliRunner().invoke(app, ["debug", "llama-tiny", "--target", "eager"])
+    assert result.exit_code != 0
+    assert "lends no exporter" in str(result.exception) + result.output
