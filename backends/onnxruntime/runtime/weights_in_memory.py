@@ -22,7 +22,7 @@ model whose only prepacking kernels are float matmuls opens with prepacking off
 (``prepacking_pays``). Every session then computes on the module's own buffers: no weight
 copy per session, only the graph's while it loads. Unpacked float weights cost nothing at
 one row (MLAS reads a weight in place for a matrix-vector product: a decode step measured
-as fast or faster) and about 15% on a prefill's MatMuls; a quantized model (``MatMulNBits``
+as fast or faster) and 15-45% on a prefill's MatMuls; a quantized model (``MatMulNBits``
 and the other kernels in ``PREPACK_PAYS``) keeps prepacking, which its kernels need for
 their speed, and its weights are its own tensors, not the module's. An in-place edit of a
 module's weight after the compile now reaches the session, as it reaches eager torch.
