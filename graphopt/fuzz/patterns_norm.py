@@ -14,6 +14,11 @@ from graphopt.fuzz.case import Expectation, Step, Value
 from graphopt.fuzz.kind import Gen, OpKind
 
 RMS_SPELLINGS = ("pow_mean", "hf_upcast", "mul_mean", "gemma", "no_weight")
+# The inverse square root, in every spelling fuse_rms_norm knows: rsqrt(v), v.pow(-0.5),
+# 1 / sqrt(v), x / sqrt(v), and F.rms_norm whole (only where the norm is plain: its own
+# weight, eps a constant, the last axis). Picked by the step's id, not drawn: a new draw
+# would have changed every seed's graphs, which regression tests and reproducers replay.
+RMS_INVERSES = ("rsqrt", "pow", "reciprocal", "div", "aten")
 EPS = (1e-6, 1e-5, 1e-3)
 
 # perturbation -> a substring of the near miss the pass reports for it
@@ -35,6 +40,15 @@ def emit_rms(b, step: Step, x: str, hidden: int, spelling: str, eps: str, weight
              axis: int = -1, second_user: bool = False, scaled: str | None = None, tag: str = "") -> str:
     """Write an RMSNorm of ``x`` in ``spelling``; returns the name of its result."""
     t = lambda name: b.tmp(step, tag + name)  # noqa: E731
+    inverse = step.p.get("inverse") or RMS_INVERSES[step.id % len(RMS_INVERSES)]
+    plain = spelling in ("pow_mean", "no_weight") and axis == -1 and not second_user and scaled is None
+    if inverse == "aten" and plain and _is_number(eps):
+        out = t("out")
+        w = None if spelling == "no_weight" else b.param(step, tag + "w", (hidden,), std=0.1, mean=1.0)
+        b.line(f"{out} = F.rms_norm({x}, ({hidden},), {w}, {eps})")
+        return out
+    if inverse == "aten":
+        inverse = "rsqrt"  # a perturbed or dressed-up norm has no F.rms_norm spelling
     h = x
     if spelling == "hf_upcast":
         h = t("h")
@@ -48,7 +62,10 @@ def emit_rms(b, step: Step, x: str, hidden: int, spelling: str, eps: str, weight
     if scaled is not None and spelling == "hf_upcast":
         src = f"{scaled}.to(torch.float32)"
     normed, out = t("normed"), t("out")
-    b.line(f"{normed} = {src} * torch.rsqrt({var} + {eps})")
+    root = {"rsqrt": f"{src} * torch.rsqrt({var} + {eps})", "pow": f"{src} * ({var} + {eps}).pow(-0.5)",
+            "reciprocal": f"{src} * (1 / torch.sqrt({var} + {eps}))",
+            "div": f"{src} / torch.sqrt({var} + {eps})"}[inverse]
+    b.line(f"{normed} = {root}")
     if spelling == "no_weight":
         return normed
     if spelling == "gemma":
@@ -59,6 +76,14 @@ def emit_rms(b, step: Step, x: str, hidden: int, spelling: str, eps: str, weight
     val = f"{normed}.to({x}.dtype)" if spelling == "hf_upcast" else normed
     b.line(f"{out} = {w} * {val}" if weight_left else f"{out} = {val} * {w}")
     return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _norm_value(gen: Gen, x: int, spelling: str) -> Value:

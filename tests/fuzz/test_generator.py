@@ -1,6 +1,8 @@
 """The generator makes valid models: they run eagerly, give finite outputs of the shapes and
 dtypes the case declares, rebuild identically from their source, and stay valid when shrunk."""
 
+import re
+
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -78,3 +80,17 @@ def test_same_seed_same_case_other_seed_other_case():
     a, b = generate(RandomDraw("s/1")), generate(RandomDraw("s/1"))
     assert a == b
     assert generate(RandomDraw("s/2")) != a
+
+
+def test_every_rms_norm_spelling_fuse_rms_norm_knows_is_planted():
+    """rsqrt(v), v.pow(-0.5), 1 / sqrt(v), x / sqrt(v) and F.rms_norm: each is planted somewhere
+    in a seed's first graphs, so the fuzzer tests every spelling the pass accepts."""
+    from graphopt.fuzz.runner import case_for
+
+    sources = "\n".join(module_source(case_for(7, i)) for i in range(30))
+    normed = [line.split(" = ", 1)[1] for line in sources.splitlines() if re.match(r"\s*t\d+_normed = ", line)]
+    spellings = {"rsqrt": r"\* torch\.rsqrt\(", "pow": r"\.pow\(-0\.5\)$", "reciprocal": r"\* \(1 / torch\.sqrt\(",
+                 "div": r"^\w+ / torch\.sqrt\("}
+    for name, pattern in spellings.items():
+        assert any(re.search(pattern, rhs) for rhs in normed), name
+    assert "F.rms_norm(" in sources
