@@ -88,7 +88,11 @@ def _materialize_unless_streamed(model: nn.Module, config: Options, reference: b
         streamed = False
     if streamed:
         return None
+    quantized = any(lazy_weights.block_format(lazy_weights.source_of(t)) is not None
+                    for t in model.parameters() if lazy_weights.is_lazy(t))
     count = lazy_weights.materialize_module(model)
+    if not quantized:  # a float checkpoint in memory is what any other target holds anyway
+        return None
     return (f"read {count} checkpoint tensors into memory as float for "
             f"{'the eager reference' if reference else 'target ' + config.target}: only the onnxruntime target "
             "runs a quantized checkpoint's own weights")

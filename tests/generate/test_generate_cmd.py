@@ -6,9 +6,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from graphopt import lazy_weights
 from graphopt.cli.main import app
 from graphopt.errors import ModelLoadError
 from graphopt.generation import StopConditions, eager_generate
+from graphopt.generation.checkpoint import Checkpoint
 
 from tests.generate import text_model
 
@@ -103,9 +105,13 @@ def test_the_int4_flag_reaches_the_options(checkpoint, monkeypatch):
 
     seen = {}
 
-    def fake(model, ids, n, **kwargs):
+    def fake(model, ids, n, **kwargs):  # the CLI hands over a Checkpoint (the folder, built when needed)
         seen.update(kwargs["options"])
-        return eager_generate(model, ids, n, attention_mask=kwargs["attention_mask"], stop=kwargs["stop"])
+        module = model.build() if isinstance(model, Checkpoint) else model
+        lazy_weights.materialize_module(module)  # a built checkpoint's weights are still in its files
+        mask = kwargs["attention_mask"]
+        return eager_generate(module, torch.as_tensor(ids), n, stop=kwargs["stop"],
+                              attention_mask=None if mask is None else torch.as_tensor(mask))
 
     monkeypatch.setattr(graphopt, "generate", fake)
     data = invoke(str(checkpoint), "-p", "a dog", "-n", "2", "--int4", "--target", "eager", "--json")
