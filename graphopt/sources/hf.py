@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from graphopt.sources.common import LoadedModel, first_line
+from graphopt.sources.model_kind import config_is_causal_lm
 from graphopt.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -87,16 +88,6 @@ def read_config(path: Path) -> Any:
         ) from None
 
 
-def _is_causal(transformers: Any, config: Any) -> bool:
-    architectures = getattr(config, "architectures", None) or []
-    if architectures:
-        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
-    # No architectures field: a type with a causal LM head and no masked-LM head is a decoder
-    # (Llama, GPT-2); BERT-like types have both and are treated as encoders.
-    kind = type(config)
-    return kind in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and kind not in transformers.MODEL_FOR_MASKED_LM_MAPPING
-
-
 def hf_model(
     name: str, config: Any, weights: list[Path], seed: int, batch: int, seq_len: int, single: bool,
     dtype: torch.dtype, stream: bool = False,
@@ -106,7 +97,7 @@ def hf_model(
     transformers = import_transformers()
     if getattr(config, "is_encoder_decoder", False):
         raise ModelLoadError(f"{name} is an encoder-decoder model; graphopt loads decoders and encoders only")
-    causal = _is_causal(transformers, config)
+    causal = config_is_causal_lm(config)
     auto = transformers.AutoModelForCausalLM if causal else transformers.AutoModel
     notes: list[str] = []
     model = _streamed(name, auto, config, weights, dtype, notes) if stream and weights else None

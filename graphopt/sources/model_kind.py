@@ -42,6 +42,20 @@ def model_kind(model: Any) -> str:
     return EXPLICIT_CACHE if takes_cache else OTHER
 
 
+def config_is_causal_lm(config: Any) -> bool:
+    """Whether a transformers config describes a ``CAUSAL_LM`` (before any module exists: which
+    class the loaders build). Its ``architectures`` say so; without them, a model type with a
+    causal LM head and no masked-LM head is a decoder (Llama, GPT-2), while BERT-like types have
+    both and are encoders."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    if architectures:
+        return any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    kind = type(config)
+    return kind in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and kind not in transformers.MODEL_FOR_MASKED_LM_MAPPING
+
+
 def decodes(model: Any) -> bool:
     """A model graphopt.generate decodes: a transformers causal LM or an explicit-cache module."""
     return model_kind(model) in (CAUSAL_LM, EXPLICIT_CACHE)
