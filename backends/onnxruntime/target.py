@@ -38,8 +38,9 @@ import torch.fx as fx
 
 from graphopt import report as reports
 from graphopt.backends.onnxruntime.compile import reuse
-from graphopt.backends.onnxruntime.runtime.bound_outputs import BoundOutputs, release_arena_options
-from graphopt.backends.onnxruntime.runtime.heap_trim import release_after_run, release_free_heap
+from graphopt.backends.onnxruntime.runtime.bound_outputs import BoundOutputs
+from graphopt.backends.onnxruntime.runtime.graph_runner import graph_runner, laid_out_as_session, output_specs
+from graphopt.backends.onnxruntime.runtime.heap_trim import release_free_heap
 from graphopt.backends.onnxruntime.compile.lazy_build import INTS_NOTE, NOTE, BuildOnSecondCall, build_on_second_call
 from graphopt.backends.onnxruntime.lower.signatures import PerSignature, SizePlan, inputs_from_meta, shapes_of
 from graphopt.frontend import graph_instance
@@ -199,7 +200,7 @@ def _recompiled() -> bool:
 def _compile_at_second_call(gm: fx.GraphModule, build: Callable[[list, Any], Compiled], note: str = NOTE) -> Compiled:
     """``gm`` on torch for its first call, then ``build(args, report)`` (lazy_build.py)."""
     # The report is gone from the context by the second call: the build is recorded on it.
-    lazy = build_on_second_call(gm, _build_at_call(build, reports.current_report()), _laid_out_as_session(gm))
+    lazy = build_on_second_call(gm, _build_at_call(build, reports.current_report()), laid_out_as_session(gm))
     return Compiled(lazy, [note])
 
 
@@ -234,21 +235,6 @@ def _has_symbolic_tensor_sizes(gm: fx.GraphModule) -> bool:
 def _has_symbolic_shapes(gm: fx.GraphModule) -> bool:
     """Whether a tensor input has a symbolic size or a SymInt input is symbolic."""
     return _has_symbolic_tensor_sizes(gm) or any(map(is_symbolic_size, _input_values(gm)))
-
-
-def _output_specs(gm: fx.GraphModule) -> list | None:
-    """(shape, dtype) of each tensor output when every one is static, else None."""
-    outputs = gm.graph.output_node().args[0]
-    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-    specs = []
-    for out in outputs:
-        val = out.meta.get("val") if isinstance(out, fx.Node) else None
-        if not isinstance(val, torch.Tensor):
-            continue
-        if not all(isinstance(s, int) for s in val.shape):
-            return None
-        specs.append((tuple(val.shape), val.dtype))
-    return specs
 
 
 def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, dynamic: bool,
@@ -287,7 +273,7 @@ def _compile_static(gm: fx.GraphModule, example_inputs: list, provider: str, rep
     from graphopt.backends.onnxruntime.runtime.session import SessionRunner
 
     model, session = _build_session(gm, example_inputs, provider, dynamic=False, report=report)
-    return Compiled(_runner(gm, model, session, SessionRunner(session, _output_specs(gm)), example_inputs, None))
+    return Compiled(graph_runner(gm, model, session, SessionRunner(session, output_specs(gm)), example_inputs, None))
 
 
 def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Compiled:
@@ -314,7 +300,7 @@ def _compile_symbolic(gm: fx.GraphModule, provider: str, report=None) -> Compile
                                         scalars=plan.scalars, report=report, arena=bound is not None)
     except OnnxExportError as error:
         return _per_signature(gm, provider, f"the export with dynamic axes failed ({error})", report)
-    run = _runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
+    run = graph_runner(gm, model, session, SessionRunner(session, None), inputs, plan, bound=bound,
                   release=bound is not None)
     entry = reuse.remember(gm, model, session, provider, owner=run)
     # Graphs compiled before this one that are its instances move onto this session.
@@ -362,104 +348,12 @@ def _serve_from_earlier(gm: fx.GraphModule, provider: str, only: reuse.Earlier |
     placeholders = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     arena = getattr(earlier.session, "_graphopt_arena", False)
     bound = BoundOutputs.of(gm, plan or SizePlan.of(gm)) if arena else None
-    run = _runner(gm, earlier.model, earlier.session, SessionRunner(earlier.session, None), placeholders, plan,
+    run = graph_runner(gm, earlier.model, earlier.session, SessionRunner(earlier.session, None), placeholders, plan,
                   output_plan, bound=bound, release=arena)
     run.graphopt_reusable = earlier  # this callable keeps the session alive too
     message = (f"onnxruntime: no export: this graph is an earlier dynamic graph with {graph_instance.describe(binding)} "
                "(dynamo's recompile), and that graph's session serves it")
     return Compiled(run, [message])
-
-
-def _runner(gm, model, session, runner, example_inputs: list, plan: SizePlan | None,
-            output_plan: list | None = None, bound: BoundOutputs | None = None, release: bool = False) -> Callable:
-    """The graph's callable. ``release``: a run at input shapes other than the previous run's
-    shrinks the session's arena (a dynamic session with the arena on), into outputs that
-    ``bound`` allocates (``bound_outputs.py``). A run that repeats the previous run's shapes
-    leaves the arena as it is: shrinking after every run made each one fault its memory back
-    in (llama-small at 4x512: 125k page faults, 3.24 against 2.97 s a call), while a shape
-    that keeps coming back is worth the memory it keeps (about 420 MB at 4x512) until the
-    next shape releases it. After a shrink the C heap's free pages go back too (``heap_trim.py``)."""
-    tensor_positions = [i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)]
-    scalar_positions = model.scalar_inputs  # after the tensors, as 0-d int64 tensors
-    outputs_plan = model.output_plan if output_plan is None else output_plan
-    single = not isinstance(gm.graph.output_node().args[0], (tuple, list))
-    layouts = _output_layouts(gm)
-    release = release_arena_options() if release else None
-    positions = bound.onnx_positions(outputs_plan, len(runner.output_names)) if bound is not None else None
-    previous_shapes: list = [None]
-
-    def run(*args: Any) -> Any:
-        tensors = [args[i] for i in tensor_positions]
-        tensors += [torch.tensor(int(args[i]), dtype=torch.int64) for i in scalar_positions]
-        options = None
-        if release is not None:  # a static session has no arena to shrink
-            shapes = [tuple(t.shape) for t in tensors]
-            options = release if shapes != previous_shapes[0] else None
-            previous_shapes[0] = shapes
-        into = bound.allocate(positions, args) if positions is not None and runner.takes_numpy(tensors) else None
-        # Outputs the arena allocated would pin their regions through the shrink: bind ours.
-        started = time.perf_counter()
-        outputs = runner.run_into(tensors, into, options) if into is not None else runner(*tensors, run_options=options)
-        if options is not None:  # the arena shrank into glibc's heap: hand its free pages back too
-            release_after_run(time.perf_counter() - started)
-        sizes = plan.sizes(args) if plan is not None and plan.needs_sizes(outputs_plan) else None
-        result = [outputs[p] if isinstance(p, int) else plan.output(p[1], sizes) if p[0] == "sym" else p[1]
-                  for p in outputs_plan]
-        result = [_lay_out(r, order) if order is not None else r for r, order in zip(result, layouts)]
-        return result[0] if single else tuple(result)
-
-    run.onnx_model = model  # for tests and tools: the exported model behind this callable
-    run.session = session  # one per compiled graph, whatever shapes it serves
-    return run
-
-
-def _laid_out_as_session(gm: fx.GraphModule) -> Callable[[Any], Any]:
-    """The graph's outputs (from torch) in the layout ``_runner`` gives the session's: row-major,
-    or the graph's own dim order where ``_output_layouts`` names one."""
-    layouts = _output_layouts(gm)
-
-    def lay_out(outputs: Any) -> Any:
-        single = not isinstance(outputs, (tuple, list))
-        flat = [outputs] if single else list(outputs)
-        flat = [(_lay_out(t, order) if order is not None else t.contiguous()) if isinstance(t, torch.Tensor) else t
-                for t, order in zip(flat, layouts + [None] * (len(flat) - len(layouts)))]
-        return flat[0] if single else tuple(flat) if isinstance(outputs, tuple) else flat
-
-    return lay_out
-
-
-def _output_layouts(gm: fx.GraphModule) -> list[list[int] | None]:
-    """Per graph output: the order of its dims in memory (outermost first) when the graph
-    returns it laid out otherwise than row-major, else None.
-
-    ONNX Runtime returns row-major tensors. aot_autograd rebuilds an output that aliases
-    an input (a transposed view of it) from the strides of what we return, so a row-major
-    result in place of a transposed view would be read with the wrong strides.
-    """
-    outputs = gm.graph.output_node().args[0]
-    outputs = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-    layouts = []
-    for out in outputs:
-        val = out.meta.get("val") if isinstance(out, fx.Node) else None
-        layouts.append(_memory_order(val) if isinstance(val, torch.Tensor) else None)
-    return layouts
-
-
-def _memory_order(val: torch.Tensor) -> list[int] | None:
-    # A symbolic stride is ordered by its hint: the layout does not change with the size.
-    strides = [s.node.hint if isinstance(s, torch.SymInt) else s for s in val.stride()]
-    if any(s is None for s in strides):
-        return None
-    order = sorted(range(val.dim()), key=lambda d: (-strides[d], d))
-    return None if order == list(range(val.dim())) else order
-
-
-def _lay_out(tensor: Any, order: list[int]) -> Any:
-    """``tensor`` copied into the memory order ``order`` (same shape and values)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != len(order):
-        return tensor
-    inverse = sorted(range(len(order)), key=order.__getitem__)
-    return tensor.permute(order).contiguous().permute(inverse)
 
 
 def _per_signature(gm: fx.GraphModule, provider: str, reason: str, report=None) -> Compiled:

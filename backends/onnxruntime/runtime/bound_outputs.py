@@ -9,7 +9,7 @@ call ~10% slower than eager). So a dynamic CPU session keeps the arena and asks 
 it after a run at new input shapes (``memory.enable_memory_arena_shrinkage``): inside the run
 the layers reuse the arena's blocks, and after it the memory goes back to the OS. A run that
 repeats the previous run's shapes keeps the arena, since shrinking after it would make the
-next run fault the same memory back in (``target._runner``).
+next run fault the same memory back in (``runtime/graph_runner.py``).
 
 The shrink frees only arena regions with nothing in use, and the run's outputs are still in
 use when it happens: outputs from the arena would pin their regions (the 262 MB logits and

@@ -10,7 +10,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import graphopt
 from graphopt import models
 from graphopt.backends.onnxruntime.runtime import session as session_module
-from graphopt.backends.onnxruntime import target as target_module
+from graphopt.backends.onnxruntime.runtime import graph_runner as runner_module
 from graphopt.backends.onnxruntime.runtime.bound_outputs import BoundOutputs
 from graphopt.backends.onnxruntime.lower.signatures import SizePlan
 from tests.backends.onnxruntime._helpers import rel_err  # noqa: F401  (skips without onnxruntime)
@@ -133,7 +133,7 @@ def test_a_repeated_shape_keeps_the_arena_until_the_shape_changes(runs, monkeypa
     fault its memory back in; the arena is released at the next new shape instead, and the C
     heap's free pages with it."""
     trims_after = []
-    monkeypatch.setattr(target_module, "release_after_run", lambda seconds: trims_after.append(len(runs) - 1))
+    monkeypatch.setattr(runner_module, "release_after_run", lambda seconds: trims_after.append(len(runs) - 1))
     model = models.build("llama-tiny")
     compiled = compile_fresh(model, dynamic=True)
     with torch.no_grad():
