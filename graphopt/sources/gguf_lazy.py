@@ -151,12 +151,11 @@ class GGUFTensor:
 
     def _field(self, name: str, rows: slice | None, decoded):
         def read():
-            kept = gguf_prepack.prepacked(self.file.identity_key, self.gguf_name, name)
-            if kept is None:
-                return getattr(decoded(), name)
-            if self.rows is not None:  # the file's row order -> the processor's
-                kept = kept[self.rows]
-            return np.ascontiguousarray(kept[rows]) if rows is not None else kept
+            # The file's row order -> the processor's, then the block's rows: only those are read.
+            wanted = self.rows if rows is None or self.rows is None else self.rows[rows]
+            kept = gguf_prepack.prepacked(self.file.identity_key, self.gguf_name, name,
+                                          rows if self.rows is None else wanted)
+            return getattr(decoded(), name) if kept is None else kept
         return read
 
     def _decoded(self, rows: slice | None):

@@ -32,11 +32,11 @@ def prepack(path: str, folder: str) -> int:
     """Write the re-laid-out fields of every 2-D tensor of a supported type in ``path`` to
     ``folder``, tensor after tensor in the file's order (the export's order too); the count."""
     from graphopt.sources import gguf_blocks
-    from graphopt.sources.gguf_file import GGUFFile
+    from graphopt.sources.gguf_file import open_gguf
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    file = GGUFFile(path)
+    file = open_gguf(path)
     done = 0
     for name, info in file.tensors.items():
         if len(info.shape) != 2 or not gguf_blocks.supported(info.type):
@@ -56,15 +56,18 @@ def use(identity_key: str, folder: Path) -> None:
     _FOLDERS[identity_key] = Path(folder)
 
 
-def prepacked(identity_key: str, tensor: str, field: str) -> np.ndarray | None:
-    """The field as ``prepack`` wrote it (whole, in the file's row order), or None."""
+def prepacked(identity_key: str, tensor: str, field: str, rows=None) -> np.ndarray | None:
+    """The field as ``prepack`` wrote it (in the file's row order), or None; with ``rows`` (a
+    slice or an index array) only those rows are read: a head written in row blocks reads
+    each block's rows, not the whole table once per block."""
     folder = _FOLDERS.get(identity_key)
     if folder is None:
         return None
     try:
-        return np.load(folder / f"{_safe(tensor)}.{field}.npy", allow_pickle=False)
+        kept = np.load(folder / f"{_safe(tensor)}.{field}.npy", mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError):  # not written yet, or gone: the caller decodes it
         return None
+    return np.array(kept if rows is None else kept[rows])  # a copy: the mapping goes with ``kept``
 
 
 def _write(path: Path, value: np.ndarray) -> None:
@@ -89,6 +92,6 @@ class FilePrepack:
         return prepack(self.path, folder)
 
     def use(self, folder: str | Path) -> None:
-        from graphopt.sources.gguf_file import file_identity
+        from graphopt.sources.gguf_file import open_gguf
 
-        use(file_identity(self.path), Path(folder))
+        use(open_gguf(self.path).identity_key, Path(folder))  # the parsed file the model reads, its key hashed once

@@ -93,8 +93,8 @@ def test_the_decoder_export_reads_the_prepack_and_its_folder_goes(tmp_path, monk
     served = tmp_path / "served.txt"
     real_prepacked = gguf_prepack.prepacked
 
-    def prepacked(identity, tensor, field):  # runs in the export's child: it tells through a file
-        found = real_prepacked(identity, tensor, field)
+    def prepacked(identity, tensor, field, rows=None):  # runs in the export's child: it tells through a file
+        found = real_prepacked(identity, tensor, field, rows)
         with open(served, "a") as out:
             out.write(f"{found is not None}\n")
         return found
