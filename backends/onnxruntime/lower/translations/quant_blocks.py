@@ -26,7 +26,7 @@ import torch
 
 from graphopt.backends.onnxruntime.errors import UnsupportedOp
 from graphopt.backends.onnxruntime.lower.translations import int4 as _int4
-from graphopt.backends.onnxruntime.lower.translations._common import cast_to, ms, op, static_dim
+from graphopt.backends.onnxruntime.lower.translations._common import cast_to, ms, op, rank, static_dim
 
 graphopt = torch.ops.graphopt
 _OUT_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
@@ -49,9 +49,18 @@ def quantized_linear(x, codes, scales, zeros, offsets, bits: int, group_size: in
     out = ms.MatMulNBits(*inputs, K=k, N=n, bits=bits, block_size=group_size, accuracy_level=_int4.ACCURACY_LEVEL)
     if offsets is None:
         return out
-    blocks = op.Reshape(x, op.Concat(op.Shape(x, end=-1), _ints([groups, group_size]), axis=0))
-    sums = op.ReduceSum(blocks, _ints([-1]), keepdims=0)
+    sums = op.ReduceSum(_as_blocks(x, groups, group_size), _ints([-1]), keepdims=0)
     return op.Add(out, ms.FusedMatMul(sums, cast_to(offsets, x.dtype), transB=1))
+
+
+def _as_blocks(x, groups: int, group_size: int):
+    """x [..., K] as [..., groups, group_size]. With x's rank known, the target shape is a
+    constant (a 0 keeps that dim): a decode step then runs one Reshape per quantized linear
+    with offsets, not Shape + Concat + Reshape on every token."""
+    known = rank(x)
+    if known is None:
+        return op.Reshape(x, op.Concat(op.Shape(x, end=-1), _ints([groups, group_size]), axis=0))
+    return op.Reshape(x, _ints([0] * (known - 1) + [groups, group_size]))
 
 
 def quantized_gather(codes, scales, zeros, offsets, ids, bits: int, group_size: int, dtype: ir.DataType):
