@@ -8,11 +8,11 @@ against ``gguf``'s own dequantizer, bit for bit). Block layouts are ggml's (``gg
 | type | block | stored | value | here |
 |---|---|---|---|---|
 | Q4_0 | 32 | d f16, 16 B of nibbles | d * (q - 8) | 4-bit, implied zero 8 |
-| Q4_1 | 32 | d, m f16, nibbles | d * q + m | 4-bit, zero 0, offset m |
+| Q4_1 | 32 | d, m f16, nibbles | d * q + m | 4-bit, zero 0, offset m (folded: see below) |
 | Q5_0 | 32 | d, 4 B high bits, nibbles | d * (q - 16) | 8-bit, q + 112 (zero 128) |
 | Q5_1 | 32 | d, m, high bits, nibbles | d * q + m | 8-bit, q + 128, offset m |
 | Q8_0 | 32 | d, 32 int8 | d * q | 8-bit, q + 128 |
-| Q4_K | 256 = 8 x 32 | d, dmin f16, 12 B of 6-bit scales/mins, nibbles | d*sc * q - dmin*m | 4-bit, zero 0, offset |
+| Q4_K | 256 = 8 x 32 | d, dmin f16, 12 B of 6-bit scales/mins, nibbles | d*sc * q - dmin*m | 4-bit, zero 0, offset (folded) |
 | Q5_K | 256 = 8 x 32 | as Q4_K plus 32 B of high bits | d*sc * q - dmin*m | 8-bit, offset |
 | Q6_K | 256 = 16 x 16 | 128 B low nibbles, 64 B high pairs, 16 int8 scales, d | d*sc * (q - 32) | 8-bit, block 16 |
 
@@ -20,6 +20,14 @@ Nibble order: ggml keeps element j of a 32-block in the low nibble of byte j and
 j + 16 in the high nibble (K-quants: per 64 elements, byte j holds j and j + 32), where
 MatMulNBits wants elements 2j and 2j + 1 in one byte; the codes are re-packed, not changed.
 5- and 6-bit codes widen to 8 bits exactly (MatMulNBits has no 5- or 6-bit kernel).
+
+Folded zero points (Q4_1, Q4_K): ``s * q + o`` is also ``s * (q - 8) + (o + 8 * s)``, the
+implied zero point 8 and no zero-point tensor, which ONNX Runtime's 4-bit kernel runs about
+20 % faster (13 -> 16 G weights/s here). It is exact when ``o + 8 * s`` is a float32 for every
+block (then ``(q - 8) * s`` is exact and adding the new offset rounds once, to the same value as
+``s * q + o``), which ``relayout`` checks over the whole tensor before it picks the layout: a
+tensor with one block that would round keeps its zero points. Every block of Qwen2.5-0.5B's
+Q4_K tensors folds.
 """
 
 from __future__ import annotations
@@ -45,19 +53,49 @@ def supported(ggml_type: int) -> bool:
 ROWS_PER_CHUNK = 4096  # decoded at a time: a field's temporaries stay a few MB whatever the tensor
 
 
-def relayout(raw: np.ndarray, ggml_type: int, in_features: int, after_read=None) -> BlockQuantized:
+def relayout(raw: np.ndarray, ggml_type: int, in_features: int, after_read=None,
+             fold: bool | None = None) -> BlockQuantized:
     """``raw``: uint8 ``[N, bytes per row]`` of one tensor as the file stores it (a memory map:
     nothing is read until a field is). Each field is decoded when first read, a few thousand
     rows at a time into its result (so a 151k-row table's temporaries are not 151k rows);
-    ``after_read()`` is called after each field (the file lets go of the pages it read)."""
+    ``after_read()`` is called after each field (the file lets go of the pages it read).
+
+    ``fold``: whether a Q4_1 / Q4_K tensor's zero points fold into its offsets (module
+    docstring); None works it out from ``raw`` (its scales and minimums, read once). Give the
+    whole tensor's answer when ``raw`` is some of its rows, so every part has one layout."""
     elements, size = BLOCK_BYTES[ggml_type]
     blocks = raw.reshape(raw.shape[0], in_features // elements, size)
     layout = _DECODERS[ggml_type]
+    if ggml_type in FOLDABLE:
+        if fold is None:
+            fold = folds_exactly(blocks, layout, in_features)
+            if after_read is not None:
+                after_read()
+        layout = functools.partial(layout, fold=fold)
     whole = layout(blocks[:1], in_features)  # one row: the fields' dtypes and trailing shapes
     fields = {name: functools.partial(_by_rows, layout, blocks, in_features, name, after_read)
               for name in ("codes", "scales", "zeros", "offsets")}
     return BlockQuantized(whole.bits, whole.group_size, in_features, whole.format.zeros, whole.format.offsets,
                           **fields)
+
+
+def folds_exactly(blocks: np.ndarray, layout, in_features: int) -> bool:
+    """Whether ``offset + 8 * scale`` is exact in float32 for every block of a Q4_1 / Q4_K
+    tensor (``blocks`` ``[N, B, bytes]``), worked out a few thousand rows at a time."""
+    for start in range(0, blocks.shape[0], ROWS_PER_CHUNK):
+        part = layout(blocks[start:start + ROWS_PER_CHUNK], in_features, fold=False)
+        folded = part.offsets.astype(np.float64) + 8 * part.scales.astype(np.float64)
+        if not np.array_equal(folded.astype(np.float32).astype(np.float64), folded):
+            return False
+    return True
+
+
+def fold_of(raw: np.ndarray, ggml_type: int, in_features: int) -> bool | None:
+    """``relayout``'s ``fold`` for the whole tensor ``raw``; None for a type without one."""
+    if ggml_type not in FOLDABLE:
+        return None
+    elements, size = BLOCK_BYTES[ggml_type]
+    return folds_exactly(raw.reshape(raw.shape[0], in_features // elements, size), _DECODERS[ggml_type], in_features)
 
 
 def _by_rows(layout, blocks: np.ndarray, in_features: int, name: str, after_read) -> np.ndarray:
@@ -118,19 +156,28 @@ def _zero_codes(b: np.ndarray, groups: int, bits: int):
     return lambda: pack_zero_points(np.zeros((b.shape[0], groups), np.uint8), bits)
 
 
-def _legacy(b: np.ndarray, k: int, bits: int, codes, offset: bool = False, zero: bool = False) -> BlockQuantized:
-    """The 32-element types: d at byte 0, m (a float minimum) at byte 2 when ``offset``."""
-    return BlockQuantized(bits, 32, k, zero, offset, codes=lambda: pack_codes(codes(), bits),
-                          scales=lambda: _f16(b, 0), zeros=_zero_codes(b, b.shape[1], bits),
-                          offsets=lambda: _f16(b, 2))
+def _folded(scales, offsets, bits: int):
+    """The offsets of codes read with the implied zero point instead of zero point 0:
+    ``s * q + o == s * (q - z) + (o + z * s)`` (exact where ``folds_exactly`` said so)."""
+    return lambda: offsets() + (1 << (bits - 1)) * scales()
+
+
+def _legacy(b: np.ndarray, k: int, bits: int, codes, offset: bool = False, zero: bool = False,
+            fold: bool = False) -> BlockQuantized:
+    """The 32-element types: d at byte 0, m (a float minimum) at byte 2 when ``offset``;
+    ``fold``: zero point 0 folded into the offsets (module docstring)."""
+    scales, offsets = (lambda: _f16(b, 0)), (lambda: _f16(b, 2))
+    return BlockQuantized(bits, 32, k, zero and not fold, offset, codes=lambda: pack_codes(codes(), bits),
+                          scales=scales, zeros=_zero_codes(b, b.shape[1], bits),
+                          offsets=_folded(scales, offsets, bits) if fold else offsets)
 
 
 def _q4_0(b, k):
     return _legacy(b, k, 4, lambda: _split_nibbles(b[..., 2:]))
 
 
-def _q4_1(b, k):
-    return _legacy(b, k, 4, lambda: _split_nibbles(b[..., 4:]), offset=True, zero=True)
+def _q4_1(b, k, fold: bool = False):
+    return _legacy(b, k, 4, lambda: _split_nibbles(b[..., 4:]), offset=True, zero=True, fold=fold)
 
 
 def _q5_0(b, k):  # q - 16 == (q + 112) - 128
@@ -159,7 +206,7 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.stack((chunks & 0x0F, chunks >> 4), axis=-2).reshape(*qs.shape[:-1], 8, 32)
 
 
-def _k_quant(b: np.ndarray, k: int, bits: int, codes) -> BlockQuantized:
+def _k_quant(b: np.ndarray, k: int, bits: int, codes, fold: bool = False) -> BlockQuantized:
     """Q4_K and Q5_K: super-blocks of 256 with d, dmin and eight 6-bit (scale, min) pairs."""
     n, supers = b.shape[:2]
 
@@ -169,12 +216,14 @@ def _k_quant(b: np.ndarray, k: int, bits: int, codes) -> BlockQuantized:
     def offsets():
         return -(_f16(b, 2)[..., None] * _k_scales(b[..., 4:16])[1].astype(np.float32)).reshape(n, supers * 8)
 
-    return BlockQuantized(bits, 32, k, bits == 4, True, codes=lambda: pack_codes(codes().reshape(n, supers * 8, 32), bits),
-                          scales=scales, zeros=_zero_codes(b, supers * 8, bits), offsets=offsets)
+    zero = bits == 4 and not fold
+    return BlockQuantized(bits, 32, k, zero, True, codes=lambda: pack_codes(codes().reshape(n, supers * 8, 32), bits),
+                          scales=scales, zeros=_zero_codes(b, supers * 8, bits),
+                          offsets=_folded(scales, offsets, bits) if fold else offsets)
 
 
-def _q4_k(b, k):
-    return _k_quant(b, k, 4, lambda: _k_nibbles(b[..., 16:144]))
+def _q4_k(b, k, fold: bool = False):
+    return _k_quant(b, k, 4, lambda: _k_nibbles(b[..., 16:144]), fold)
 
 
 def _q5_k(b, k):
@@ -203,5 +252,6 @@ def _q6_k(b, k):
     return BlockQuantized(8, 16, k, False, False, codes=codes, scales=scales)
 
 
+FOLDABLE = (Q4_1, Q4_K)  # 4-bit with a float minimum: zero points 0 that may fold (module docstring)
 _DECODERS = {Q4_0: _q4_0, Q4_1: _q4_1, Q5_0: _q5_0, Q5_1: _q5_1, Q8_0: _q8_0, Q4_K: _q4_k, Q5_K: _q5_k,
              Q6_K: _q6_k}

@@ -18,6 +18,7 @@ transformed as transformers would, and the model says so.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
+# Each type's layout; a Q4_1 / Q4_K tensor whose zero points fold has none (GGUFTensor.block_format).
 FORMATS = {blocks_mod.Q4_0: BlockFormat(4, 32, False, False), blocks_mod.Q4_1: BlockFormat(4, 32, True, True),
            blocks_mod.Q5_0: BlockFormat(8, 32, False, False), blocks_mod.Q5_1: BlockFormat(8, 32, False, True),
            blocks_mod.Q8_0: BlockFormat(8, 32, False, False), blocks_mod.Q4_K: BlockFormat(4, 32, True, True),
@@ -133,7 +135,18 @@ class GGUFTensor:
         return out
 
     def block_format(self) -> BlockFormat | None:
-        return FORMATS.get(self.ggml_type) if self.packed else None
+        fmt = FORMATS.get(self.ggml_type) if self.packed else None
+        return dataclasses.replace(fmt, zeros=False) if fmt is not None and self.fold else fmt
+
+    @functools.cached_property
+    def fold(self) -> bool | None:
+        """Whether this Q4_1 / Q4_K tensor's zero points fold into its offsets
+        (``gguf_blocks.folds_exactly``, over all its rows), None for other types."""
+        if not self.packed or self.ggml_type not in blocks_mod.FOLDABLE:
+            return None
+        fold = blocks_mod.fold_of(self.file.data(self.gguf_name), self.ggml_type, self.shape[-1])
+        self.file.release(self.gguf_name)
+        return fold
 
     def fingerprint(self) -> str:
         """What the tensor's bytes depend on, for cache keys (``lazy_weights.fingerprint``)."""
@@ -145,7 +158,7 @@ class GGUFTensor:
         A field ``gguf_prepack`` re-laid out already is read from its file; the others are
         decoded from the file's blocks when read."""
         decoded = functools.cache(lambda: self._decoded(rows))  # the file's blocks, re-laid out when first read
-        fmt = FORMATS[self.ggml_type]
+        fmt = self.block_format()
         fields = {name: self._field(name, rows, decoded) for name in gguf_prepack.FIELDS}
         return BlockQuantized(fmt.bits, fmt.group_size, self.shape[-1], fmt.zeros, fmt.offsets, **fields)
 
@@ -164,7 +177,8 @@ class GGUFTensor:
             raw = raw[self.rows]
         if rows is not None:
             raw = raw[rows]
-        return blocks_mod.relayout(raw, self.ggml_type, self.shape[-1], lambda: self.file.release(self.gguf_name))
+        return blocks_mod.relayout(raw, self.ggml_type, self.shape[-1], lambda: self.file.release(self.gguf_name),
+                                   fold=self.fold)
 
 
 def row_permutation(processor, name: str, shape: tuple[int, ...]) -> tuple[bool, np.ndarray | None]:
