@@ -36,6 +36,9 @@ weight; 0.0053 in groups of 32). Scales take
 the activations' dtype by default: that is what MatMulNBits reads, so the reported bytes
 are the bytes read.
 
+Which bits and codes each weight gets, and its record, are planned before the rewrite
+(passes/_quantize_plan.py).
+
 Preconditions: the weight is a frozen constant (``freeze_weights=True``), 2-D and
 floating point; its original parameter name (``node.meta["graphopt_param"]``) matches
 none of the ``skip`` patterns; it has at least ``min_size`` elements. A weight read by
@@ -64,15 +67,11 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from graphopt import ir, lazy_weights
+from graphopt import ir
 from graphopt.ops.quant import GROUP_SIZES
 from graphopt.pass_manager import PassContext, PassResult
-from graphopt.passes import _quantize_embedding, _quantize_moe
-from graphopt.quant import gptq, groupwise
-from graphopt.quant import plan as quant_plan
-from graphopt.quant.groupwise import (DEFAULT_SEARCH, DEFAULT_SYMMETRIC, SCALE_DTYPE_NAMES, SEARCHES, Int4Weight,
-                                     relative_error)
-from graphopt.quant.report import summarize_layers
+from graphopt.passes import _quantize_embedding, _quantize_moe, _quantize_plan
+from graphopt.quant.groupwise import DEFAULT_SEARCH, DEFAULT_SYMMETRIC, SCALE_DTYPE_NAMES, SEARCHES
 from graphopt.rewrite import CAST_OPS, GEMM_OPS, ROW_PICK_OPS, VIEW_OPS, NoMatch, PatternPass, expect, is_op, val
 from graphopt.rewrite.linears import match_linear, param_name
 
@@ -209,7 +208,7 @@ class QuantizeInt4(PatternPass):
             return (node.args[1], node.args[2], zeros, {**record, "shared": True})
         planned = gm.meta.get(PLAN_META, {}).get(key)
         if planned is None:  # a graph the planner did not see (a direct call of rewrite)
-            planned = _plan_one(m, options, None, 4)
+            planned = _quantize_plan.plan_one(m, options, None, 4)
         q, record = planned
         name = record["name"]
         nodes = [_constant(gm, name, suffix, t) for suffix, t in
@@ -228,7 +227,7 @@ class QuantizeInt4(PatternPass):
         layers = [n.meta[INT4_META] for n in result.gm.graph.nodes
                   if n.op == "call_function" and INT4_META in n.meta and n.name not in earlier]
         experts = _quantize_moe.quantize_experts(result.gm, options, _constant, lambda name, w, q, search, key: (
-            _layer_record(name, w, q, options, key, search, None)))
+            _quantize_plan.layer_record(name, w, q, options, key, search, None)))
         embeddings: list[dict[str, Any]] = []
         if options.embedding_bits:  # after the linears: a tied table reuses its head's codes
             embeddings, misses = _quantize_embedding.quantize_embeddings(result.gm, options, _constant, INT4_META)
@@ -236,7 +235,7 @@ class QuantizeInt4(PatternPass):
         result.modified = result.modified or bool(moved or experts or embeddings)
         if result.modified:
             _drop_unused_attrs(result.gm, {layer["_key"] for layer in layers + experts + embeddings})
-        result.stats.update(summarize(layers + experts + embeddings))
+        result.stats.update(_quantize_plan.summarize(layers + experts + embeddings))
         result.stats["embeddings"] = len(embeddings)
         result.stats["moe_layers"] = len(experts) // 2
         result.stats["calibration"] = calibration
@@ -244,7 +243,7 @@ class QuantizeInt4(PatternPass):
 
     def _plan(self, gm: fx.GraphModule, ctx: PassContext, options: Int4Options):
         """{weight target: (quantized weight, record)} for every weight the pass will
-        rewrite, and a line saying what it calibrated on."""
+        rewrite, and a line saying what it calibrated on (passes/_quantize_plan.py)."""
         matches: dict[str, LinearMatch] = {}
         heads: set[str] = set()
         for anchor in self.candidates(gm):
@@ -255,41 +254,7 @@ class QuantizeInt4(PatternPass):
             matches.setdefault(m.weight.target, m)
             if _feeds_output(anchor):
                 heads.add(m.weight.target)
-        if not matches:
-            return {}, "none"
-        h: dict = {}
-        calibration = "none"
-        if (options.search == "gptq" or options.budget) and any(
-                lazy_weights.is_lazy(ir.get_constant(m.weight)) for m in matches.values()):
-            raise ValueError("GPTQ and an --int4-budget calibrate on the weights' data, which is still in the "
-                             "checkpoint: load the weights (graphopt.lazy_weights.materialize_module) or quantize "
-                             "with search=rtn")
-        if options.search == "gptq" or options.budget:
-            inputs = quant_plan.calibration_inputs(gm, ctx.example_inputs, options.calibration)
-            if inputs:
-                h = quant_plan.hessians(gm, inputs, {m.x for m in matches.values()})
-                tokens = max(t for _, t in h.values())
-                calibration = f"{'given token ids' if options.calibration else 'example inputs'}: {tokens} tokens"
-            else:  # a graph run on its own (no example inputs): nothing to calibrate on
-                calibration = "none: no inputs to run the graph on, so round-to-nearest"
-        plan = {}
-        for key, m in matches.items():
-            bits = options.head_bits if key in heads else 4
-            plan[key] = _plan_one(m, options, h.get(m.x), bits, both=bool(options.budget))
-        if options.budget:
-            records = [rec for _, rec in plan.values()]
-            quant_plan.allocate_bits(records, options.budget)
-            for key, (_, rec) in plan.items():
-                rec["bytes_after"] = rec["bytes8"] if rec["bits"] == 8 else rec["bytes4"]
-                rec["rel_error"] = rec["rel_error8"] if rec["bits"] == 8 else rec["rel_error4"]
-                if rec["output_error"] is not None:
-                    rec["output_error"] = rec["error8"] if rec["bits"] == 8 else rec["error4"]
-                q = rec.pop("_q8") if rec["bits"] == 8 else rec.pop("_q4")
-                rec.pop("_q8", None), rec.pop("_q4", None)
-                rec["group_size"] = q.group_size
-                plan[key] = (q, rec)
-        return plan, calibration
-
+        return _quantize_plan.plan_weights(gm, ctx, options, matches, heads)
 
 def _feeds_output(node: fx.Node) -> bool:
     """Whether ``node``'s result is a graph output, through views, casts and row picks only
@@ -306,93 +271,12 @@ def _feeds_output(node: fx.Node) -> bool:
     return False
 
 
-def _plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = False):
-    """(quantized weight, record) of one weight at ``bits``; with ``both`` the record also
-    holds the 4- and 8-bit versions and their errors for the budget to choose from."""
-    w = ir.get_constant(m.weight)
-    name = param_name(m.weight)
-    dtype = val(m.x).dtype if options.scale_dtype == "auto" else options.scale_dtype
-    search = options.search if h is not None or options.search != "gptq" else "rtn"
-    h, tokens = h if h is not None else (None, None)
-
-    def quantize(b: int, weight: torch.Tensor = w) -> Int4Weight:
-        if b == 8:
-            return groupwise.quantize_int8(weight, options.group_8bit(w.shape[1]), dtype,
-                                              h if search == "gptq" else None, tokens, options.act_order)
-        return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
-                                          options.act_order)
-
-    if lazy_weights.is_lazy(w):
-        # Still in its checkpoint: quantized from the file when the runtime's weights are written,
-        # one weight at a time (calibration and a budget need the data now: the caller loads it).
-        q = _lazy_like(w, quantize(bits, torch.ones(1, w.shape[1], dtype=w.dtype)))
-        lazy_weights.derive_each(lambda real: _fields(quantize(bits, real)), [w], _fields(q))
-        return q, _layer_record(name, w, q, options, m.weight.target, search, None)
-    q = quantize(bits)
-    record = _layer_record(name, w, q, options, m.weight.target, search, h)
-    if both and bits != 8:
-        q8 = quantize(8)
-        record.update(_q4=q, _q8=q8, bytes4=q.nbytes, bytes8=q8.nbytes, rel_error4=record["rel_error"],
-                      rel_error8=relative_error(w, q8), error4=record["output_error"],
-                      error8=gptq.output_error(w, q8.dequantize(), h) if h is not None else 0.0)
-        if h is None:  # uncalibrated: rank by weight error instead
-            record.update(error4=record["rel_error4"] ** 2, error8=record["rel_error8"] ** 2)
-    elif both:
-        error = record["output_error"] if h is not None else record["rel_error"] ** 2
-        record.update(_q4=q, _q8=q, bytes4=q.nbytes, bytes8=q.nbytes, rel_error4=record["rel_error"],
-                      rel_error8=record["rel_error"], error4=error, error8=error)
-    return q, record
-
-
-def _fields(q: Int4Weight) -> tuple:
-    return q.packed, q.scales, q.zeros
-
-
-def _lazy_like(w: torch.Tensor, row: Int4Weight) -> Int4Weight:
-    """Fake tensors shaped as ``w``'s quantized weight, from one row quantized for real (rows
-    quantize independently, so each part is [N, what one row takes]); running the quantizer on
-    the fake weight itself gives the same shapes at seconds a layer."""
-    with lazy_weights.mode_of(w):
-        parts = [None if t is None else torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype) for t in _fields(row)]
-    return Int4Weight(*parts, row.group_size, row.in_features, row.bits)
-
-
 def _constant(gm: fx.GraphModule, name: str, suffix: str, tensor: torch.Tensor | None) -> fx.Node | None:
     if tensor is None:
         return None
     node = ir.add_constant(gm, f"w_{name}_{suffix}".replace(".", "_"), tensor)
     node.meta[ir.PARAM_NAME] = f"{name}.{suffix}"
     return node
-
-
-def _layer_record(name: str, w: torch.Tensor, q: Int4Weight, options: Int4Options, key: str, search: str,
-                  h) -> dict[str, Any]:
-    return {
-        "name": name,
-        "shape": list(w.shape),
-        "bits": q.bits,
-        "group_size": q.group_size,
-        "symmetric": options.symmetric or q.bits == 8,
-        "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
-        "search": search,
-        "rel_error": None if lazy_weights.is_lazy(w) else relative_error(w, q),  # lazy: known once written
-        # share of the layer's output energy on the calibration activations that changed
-        "output_error": gptq.output_error(w, q.dequantize(), h) if h is not None else None,
-        "bytes_before": w.numel() * w.element_size(),
-        "bytes_fp32": w.numel() * 4,
-        "bytes_after": q.nbytes,
-        "shared": False,
-        "_key": key,
-    }
-
-
-_BUDGET_KEYS = ("bytes4", "bytes8", "rel_error4", "rel_error8", "error4", "error8")
-
-
-def summarize(layers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Pass stats from the per-layer records (private keys dropped): see summarize_layers."""
-    public = [{k: v for k, v in layer.items() if not k.startswith("_") and k not in _BUDGET_KEYS} for layer in layers]
-    return summarize_layers(public)
 
 
 def _drop_unused_attrs(gm: fx.GraphModule, targets: set[str]) -> None:

@@ -7,5 +7,5 @@
 - ``plan``: before the rewrite: calibration inputs, per-layer Hessians, which layers get 8 bits;
 - ``report``: the numbers a quantized run is judged by: weight bytes, per-layer and logits error, top-1.
 
-The pass that uses them is passes/quantize_int4.py (with its embedding and MoE helpers).
+The pass that uses them is passes/quantize_int4.py (with its plan, embedding and MoE helpers).
 """

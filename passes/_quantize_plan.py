@@ -1,0 +1,151 @@
+"""The plan part of ``quantize_int4``: what each linear's weight becomes before the rewrite.
+
+For every weight the pass will rewrite: its bits (4, ``head_bits`` for an LM head, 8 where
+a ``budget`` moves it), its codes, scales and zero points (round-to-nearest, a scale search,
+or GPTQ on calibration activations: graphopt/quant/), and its per-layer record, the numbers
+the pass's stats sum. A weight still in its checkpoint (a lazy weight,
+graphopt/lazy_weights.py) gets fake constants of the right shapes, linked to the quantizer
+run on its data when the runtime's weights are written.
+
+The pass itself (matching linears, rewriting them, options) is passes/quantize_int4.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from graphopt import ir, lazy_weights
+from graphopt.quant import gptq, groupwise
+from graphopt.quant import plan as quant_plan
+from graphopt.quant.groupwise import Int4Weight, relative_error
+from graphopt.quant.report import summarize_layers
+from graphopt.rewrite import val
+from graphopt.rewrite.linears import param_name
+
+if TYPE_CHECKING:
+    from graphopt.pass_manager import PassContext
+    from graphopt.passes.quantize_int4 import Int4Options, LinearMatch
+
+
+def plan_weights(gm: fx.GraphModule, ctx: PassContext, options: Int4Options, matches: dict[str, LinearMatch],
+                 heads: set[str]):
+    """{weight target: (quantized weight, record)} for every weight in ``matches`` (``heads``:
+    those of an LM head), and a line saying what it calibrated on."""
+    if not matches:
+        return {}, "none"
+    h: dict = {}
+    calibration = "none"
+    if (options.search == "gptq" or options.budget) and any(
+            lazy_weights.is_lazy(ir.get_constant(m.weight)) for m in matches.values()):
+        raise ValueError("GPTQ and an --int4-budget calibrate on the weights' data, which is still in the "
+                         "checkpoint: load the weights (graphopt.lazy_weights.materialize_module) or quantize "
+                         "with search=rtn")
+    if options.search == "gptq" or options.budget:
+        inputs = quant_plan.calibration_inputs(gm, ctx.example_inputs, options.calibration)
+        if inputs:
+            h = quant_plan.hessians(gm, inputs, {m.x for m in matches.values()})
+            tokens = max(t for _, t in h.values())
+            calibration = f"{'given token ids' if options.calibration else 'example inputs'}: {tokens} tokens"
+        else:  # a graph run on its own (no example inputs): nothing to calibrate on
+            calibration = "none: no inputs to run the graph on, so round-to-nearest"
+    plan = {}
+    for key, m in matches.items():
+        bits = options.head_bits if key in heads else 4
+        plan[key] = plan_one(m, options, h.get(m.x), bits, both=bool(options.budget))
+    if options.budget:
+        records = [rec for _, rec in plan.values()]
+        quant_plan.allocate_bits(records, options.budget)
+        for key, (_, rec) in plan.items():
+            rec["bytes_after"] = rec["bytes8"] if rec["bits"] == 8 else rec["bytes4"]
+            rec["rel_error"] = rec["rel_error8"] if rec["bits"] == 8 else rec["rel_error4"]
+            if rec["output_error"] is not None:
+                rec["output_error"] = rec["error8"] if rec["bits"] == 8 else rec["error4"]
+            q = rec.pop("_q8") if rec["bits"] == 8 else rec.pop("_q4")
+            rec.pop("_q8", None), rec.pop("_q4", None)
+            rec["group_size"] = q.group_size
+            plan[key] = (q, rec)
+    return plan, calibration
+
+
+def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = False):
+    """(quantized weight, record) of one weight at ``bits``; with ``both`` the record also
+    holds the 4- and 8-bit versions and their errors for the budget to choose from."""
+    w = ir.get_constant(m.weight)
+    name = param_name(m.weight)
+    dtype = val(m.x).dtype if options.scale_dtype == "auto" else options.scale_dtype
+    search = options.search if h is not None or options.search != "gptq" else "rtn"
+    h, tokens = h if h is not None else (None, None)
+
+    def quantize(b: int, weight: torch.Tensor = w) -> Int4Weight:
+        if b == 8:
+            return groupwise.quantize_int8(weight, options.group_8bit(w.shape[1]), dtype,
+                                              h if search == "gptq" else None, tokens, options.act_order)
+        return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
+                                          options.act_order)
+
+    if lazy_weights.is_lazy(w):
+        # Still in its checkpoint: quantized from the file when the runtime's weights are written,
+        # one weight at a time (calibration and a budget need the data now: the caller loads it).
+        q = _lazy_like(w, quantize(bits, torch.ones(1, w.shape[1], dtype=w.dtype)))
+        lazy_weights.derive_each(lambda real: _fields(quantize(bits, real)), [w], _fields(q))
+        return q, layer_record(name, w, q, options, m.weight.target, search, None)
+    q = quantize(bits)
+    record = layer_record(name, w, q, options, m.weight.target, search, h)
+    if both and bits != 8:
+        q8 = quantize(8)
+        record.update(_q4=q, _q8=q8, bytes4=q.nbytes, bytes8=q8.nbytes, rel_error4=record["rel_error"],
+                      rel_error8=relative_error(w, q8), error4=record["output_error"],
+                      error8=gptq.output_error(w, q8.dequantize(), h) if h is not None else 0.0)
+        if h is None:  # uncalibrated: rank by weight error instead
+            record.update(error4=record["rel_error4"] ** 2, error8=record["rel_error8"] ** 2)
+    elif both:
+        error = record["output_error"] if h is not None else record["rel_error"] ** 2
+        record.update(_q4=q, _q8=q, bytes4=q.nbytes, bytes8=q.nbytes, rel_error4=record["rel_error"],
+                      rel_error8=record["rel_error"], error4=error, error8=error)
+    return q, record
+
+
+def _fields(q: Int4Weight) -> tuple:
+    return q.packed, q.scales, q.zeros
+
+
+def _lazy_like(w: torch.Tensor, row: Int4Weight) -> Int4Weight:
+    """Fake tensors shaped as ``w``'s quantized weight, from one row quantized for real (rows
+    quantize independently, so each part is [N, what one row takes]); running the quantizer on
+    the fake weight itself gives the same shapes at seconds a layer."""
+    with lazy_weights.mode_of(w):
+        parts = [None if t is None else torch.empty((w.shape[0], *t.shape[1:]), dtype=t.dtype) for t in _fields(row)]
+    return Int4Weight(*parts, row.group_size, row.in_features, row.bits)
+
+
+def layer_record(name: str, w: torch.Tensor, q: Int4Weight, options: Int4Options, key: str, search: str,
+                 h) -> dict[str, Any]:
+    return {
+        "name": name,
+        "shape": list(w.shape),
+        "bits": q.bits,
+        "group_size": q.group_size,
+        "symmetric": options.symmetric or q.bits == 8,
+        "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
+        "search": search,
+        "rel_error": None if lazy_weights.is_lazy(w) else relative_error(w, q),  # lazy: known once written
+        # share of the layer's output energy on the calibration activations that changed
+        "output_error": gptq.output_error(w, q.dequantize(), h) if h is not None else None,
+        "bytes_before": w.numel() * w.element_size(),
+        "bytes_fp32": w.numel() * 4,
+        "bytes_after": q.nbytes,
+        "shared": False,
+        "_key": key,
+    }
+
+
+_BUDGET_KEYS = ("bytes4", "bytes8", "rel_error4", "rel_error8", "error4", "error8")
+
+
+def summarize(layers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pass stats from the per-layer records (private keys dropped): see summarize_layers."""
+    public = [{k: v for k, v in layer.items() if not k.startswith("_") and k not in _BUDGET_KEYS} for layer in layers]
+    return summarize_layers(public)
