@@ -60,7 +60,11 @@ def _as_blocks(x, groups: int, group_size: int):
     known = rank(x)
     if known is None:
         return op.Reshape(x, op.Concat(op.Shape(x, end=-1), _ints([groups, group_size]), axis=0))
-    return op.Reshape(x, _ints([0] * (known - 1) + [groups, group_size]))
+    blocks = op.Reshape(x, _ints([0] * (known - 1) + [groups, group_size]))
+    # The exporter works out this value's shape from the constant but not its dtype, and
+    # onnx_ir then warns once per linear that it skips its value_info: say the dtype.
+    blocks.dtype = x.dtype
+    return blocks
 
 
 def quantized_gather(codes, scales, zeros, offsets, ids, bits: int, group_size: int, dtype: ir.DataType):
