@@ -79,7 +79,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from graphopt.backends.onnxruntime.lower.export import OnnxModel
+from graphopt.backends.onnxruntime.lower.onnx_model import OnnxModel
 from graphopt.export.model import export_model
 from graphopt.config import Options
 from graphopt.quant.report import int4_summary, logits_metrics

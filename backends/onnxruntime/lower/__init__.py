@@ -2,6 +2,8 @@
 
 - ``export``: ``export_graph``, the entry: FX graph -> ``OnnxModel`` (over onnx-ir), by the
   direct or the traced route, with dynamic axes where the graph's sizes are symbolic.
+- ``onnx_model``: ``OnnxModel``, the exported model: its op counts, INT4 weights and saving,
+  and its weights read from the checkpoint only when written.
 - ``direct_export``: the direct route: the exporter's translation step without torch.export's
   two re-traces, when the graph needs none.
 - ``type_promotion``: torch.onnx's cast-inserting pass, reading the fake values the graph carries.

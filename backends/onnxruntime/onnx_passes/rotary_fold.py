@@ -26,7 +26,7 @@ def _rotary_tables(model, tables: tuple, positions: int) -> tuple[list, str | No
     import onnx_ir as ir
     import onnxruntime
 
-    from graphopt.backends.onnxruntime.lower.export import lazy_weights_as_stubs
+    from graphopt.backends.onnxruntime.lower.onnx_model import lazy_weights_as_stubs
 
     names = [t.name for t in tables]
     with lazy_weights_as_stubs(model):  # the tables read no weight: do not read the checkpoint to serialize

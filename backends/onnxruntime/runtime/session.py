@@ -69,7 +69,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     grew to, so a model with dynamic axes either has it off or shrinks it after each run with
     its outputs outside it (``bound_outputs.py``); ``session._graphopt_arena`` says which.
 
-    An in-memory model (export.OnnxModel) on the CPU keeps its weights out of the bytes ORT
+    An in-memory model (onnx_model.OnnxModel) on the CPU keeps its weights out of the bytes ORT
     parses: they are handed over as OrtValues that the session reads in place, with no copy
     of its own (``weights_in_memory.py``), so a model of any size loads without files. On
     other providers a model over 2 GB is written to a temporary folder with external data and

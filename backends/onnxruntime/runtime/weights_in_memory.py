@@ -52,7 +52,7 @@ def prepacking_pays(graph: Any) -> bool:
 
 
 def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list]:
-    """``model`` (an export.OnnxModel) as bytes without its large initializers, which are
+    """``model`` (an onnx_model.OnnxModel) as bytes without its large initializers, which are
     added to ``session_options`` instead, both as the graph's data and as the session's own
     initializers. Returns (the bytes, the OrtValues and the buffers under them, which the
     session reads in place: keep them as long as it lives). Turns prepacking off where it does

@@ -10,7 +10,8 @@ import torch
 pytest.importorskip("onnxruntime", reason="the onnxruntime target needs onnxruntime: pip install 'graphopt[onnxruntime]'")
 pytest.importorskip("onnxscript", reason="the onnxruntime target needs onnxscript: pip install 'graphopt[onnxruntime]'")
 
-from graphopt.backends.onnxruntime.lower.export import OnnxModel, export_graph  # noqa: E402
+from graphopt.backends.onnxruntime.lower.export import export_graph  # noqa: E402
+from graphopt.backends.onnxruntime.lower.onnx_model import OnnxModel  # noqa: E402
 from graphopt.backends.onnxruntime.runtime.session import SessionRunner, create_session  # noqa: E402
 from graphopt.frontend.trace import export_aten_graph  # noqa: E402
 

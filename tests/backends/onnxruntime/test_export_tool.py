@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 from graphopt import models
-from graphopt.backends.onnxruntime.lower import export as export_module
+from graphopt.backends.onnxruntime.lower import onnx_model
 from graphopt.backends.onnxruntime.decoder.generate import decode_path, export_kv_cache, greedy_generate_eager, \
     greedy_generate_ort
 from graphopt.cli.main import app
@@ -72,13 +72,13 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys, monkeypatch):
 
 
 def test_interrupted_export_leaves_no_file(tmp_path, monkeypatch):
-    real_save = export_module.OnnxModel.save
+    real_save = onnx_model.OnnxModel.save
 
     def save_then_interrupt(self, target):
         real_save(self, target)  # a complete file in the temporary folder...
         raise KeyboardInterrupt  # ...and the user presses ^C before it is moved into place
 
-    monkeypatch.setattr(export_module.OnnxModel, "save", save_then_interrupt)
+    monkeypatch.setattr(onnx_model.OnnxModel, "save", save_then_interrupt)
     result = runner.invoke(app, ["export", "llama-tiny", "-o", str(tmp_path / "m.onnx"), "--no-validate"])
     assert result.exit_code != 0
     assert os.listdir(tmp_path) == []
@@ -130,7 +130,7 @@ def test_greedy_generation_on_ort_equals_eager_for_another_prompt(tmp_path):
 
 def test_models_over_the_protobuf_limit_keep_weights_outside(tmp_path, monkeypatch):
     # 2 GB of weights is too much for a unit test: lower the threshold instead.
-    monkeypatch.setattr(export_module, "LARGE_MODEL_BYTES", 10_000)
+    monkeypatch.setattr(onnx_model, "LARGE_MODEL_BYTES", 10_000)
     data = export_json("llama-tiny", "-o", str(tmp_path / "m.onnx"))
     (model,) = data["files"]
     assert model["files"] == [str(tmp_path / "m.onnx.data"), str(tmp_path / "m.onnx")]

@@ -10,7 +10,7 @@ import torch
 
 import graphopt
 from graphopt import models
-from graphopt.backends.onnxruntime.lower import export as export_module
+from graphopt.backends.onnxruntime.lower import onnx_model
 from graphopt.backends.onnxruntime import target as target_module
 from graphopt.config import Options
 from graphopt.pipeline import DEFAULT_PIPELINE
@@ -174,7 +174,7 @@ def test_auto_on_a_cpu_machine_runs_onnxruntime(monkeypatch):
 
 
 def test_model_over_the_protobuf_limit_loads_from_external_data(monkeypatch, exported):
-    monkeypatch.setattr(export_module, "LARGE_MODEL_BYTES", 100)  # the Linear's 512 bytes count as large
+    monkeypatch.setattr(onnx_model, "LARGE_MODEL_BYTES", 100)  # the Linear's 512 bytes count as large
     module = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Tanh())
     x = torch.randn(4, 16)
     out, (report,) = compile_on_ort(module, x)

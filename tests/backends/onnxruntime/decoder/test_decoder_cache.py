@@ -115,7 +115,7 @@ def test_least_recently_used_entries_go_over_the_size_limit(cache, monkeypatch, 
 
 
 def test_a_decoder_that_cannot_be_kept_still_decodes(cache, model, monkeypatch):
-    from graphopt.backends.onnxruntime.lower.export import OnnxModel
+    from graphopt.backends.onnxruntime.lower.onnx_model import OnnxModel
 
     def refuse(self, path, external_data=None):
         raise ValueError("planted: cannot serialize")

@@ -19,7 +19,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import graphopt
-from graphopt.backends.onnxruntime.lower import export, lowering, schemas
+from graphopt.backends.onnxruntime.lower import lowering, onnx_model, schemas
 from graphopt.backends.onnxruntime.target import onnxruntime
 from graphopt.backends.onnxruntime.lower.translations import translation_table
 from graphopt.compiler import compile_graph
@@ -166,7 +166,7 @@ def test_the_report_carries_the_cached_attention_near_misses():
 # --- the ORT ops, listed once --------------------------------------------------------------
 
 def test_fused_op_counts_read_the_one_list_of_ort_ops():
-    assert export.ORT_FUSED_OPS is schemas.FUSED_OP_NAMES
+    assert onnx_model.ORT_FUSED_OPS is schemas.FUSED_OP_NAMES
     for domain, name in schemas.ORT_OPS:
         assert (f"{domain}::{name}" if domain else name) in schemas.FUSED_OP_NAMES
 
