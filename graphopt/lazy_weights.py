@@ -13,6 +13,9 @@ matching part of it. A pass that computes a new weight from fake ones (a QKV mer
 ``cat``) calls ``derive``, which records the computation as the new tensor's source; one that
 computes several (INT4 codes, scales and zero points of one weight) calls ``derive_each``:
 the first read computes them all from the weight, and each is kept only until it is read.
+A computation that goes row by row (round-to-nearest quantization) asks for ``streamed``: it
+gets the weight's source and reads it in blocks of rows (``row_blocks``), so the largest
+weight (an LM head) is never in memory whole as float.
 
 A checkpoint that ships quantized weights gives sources two more methods: ``block_format()``
 (cheap: the ``BlockFormat`` its codes take, or None) and ``block_quantized()`` (the weight as
@@ -24,7 +27,7 @@ file's own codes instead of a float weight.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -32,7 +35,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 class Source(Protocol):
     """Where a weight's data comes from. ``load`` returns a real tensor of ``shape`` and ``dtype``;
-    a block-quantized source also has ``block_format()`` and ``block_quantized(rows=None)``."""
+    a source that can read some of its rows without the rest has ``load_rows(start, stop)``
+    (and ``reads_rows()`` where that depends on its parts); a block-quantized source also has
+    ``block_format()`` and ``block_quantized(rows=None)``."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -119,15 +124,17 @@ def derive(fn: Callable[..., torch.Tensor], tensors: Sequence[torch.Tensor], *ar
 
 
 def derive_each(fn: Callable[..., Sequence[torch.Tensor | None]], tensors: Sequence[torch.Tensor],
-                results: Sequence[torch.Tensor | None]) -> None:
+                results: Sequence[torch.Tensor | None], *, streamed: bool = False) -> None:
     """Link ``results`` (fake tensors that ``fn(*tensors)`` gave on the fake ``tensors``: its
     shapes and dtypes) to ``fn`` run on the tensors' data. Reading any of them runs ``fn`` once
     and keeps the other results until each is read (the writer of a model's weights reads a
-    weight's parts one after another), so one weight's worth is in memory at a time."""
+    weight's parts one after another), so one weight's worth is in memory at a time. With
+    ``streamed``, ``fn`` gets the tensors' sources instead of their data, to read them with
+    ``row_blocks``."""
     parts = [source_of(t) if is_lazy(t) else _Real(t) for t in tensors]
     if any(p is None for p in parts):
         raise ValueError("derive_each: a fake input has no source")
-    shared = _Shared(fn, parts, sum(r is not None for r in results))
+    shared = _Shared(fn, parts, sum(r is not None for r in results), streamed)
     for index, result in enumerate(results):
         if result is not None:
             _SOURCES[_key(result)] = (_SharedPart(shared, index, tuple(result.shape), result.dtype), result)
@@ -136,8 +143,8 @@ def derive_each(fn: Callable[..., Sequence[torch.Tensor | None]], tensors: Seque
 class _Shared:
     """``fn`` on its parts' data, computed at the first read and dropped once every result was read."""
 
-    def __init__(self, fn, parts, wanted: int) -> None:
-        self.fn, self.parts, self.wanted = fn, parts, wanted
+    def __init__(self, fn, parts, wanted: int, streamed: bool) -> None:
+        self.fn, self.parts, self.wanted, self.streamed = fn, parts, wanted, streamed
         self.lock = threading.Lock()  # the ONNX writer reads initializers on several threads
         self.values: list | None = None
         self.unread: set[int] = set()
@@ -145,7 +152,7 @@ class _Shared:
     def take(self, index: int) -> torch.Tensor:
         with self.lock:
             if self.values is None or index not in self.unread:  # first read, or read again later
-                self.values = list(self.fn(*[p.load() for p in self.parts]))
+                self.values = list(self.fn(*(self.parts if self.streamed else [p.load() for p in self.parts])))
                 self.unread = {i for i, v in enumerate(self.values) if v is not None}
             value = self.values[index]
             self.unread.discard(index)
@@ -168,6 +175,9 @@ class _Real:
 
     def load(self) -> torch.Tensor:
         return self.t
+
+    def load_rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.t[start:stop]
 
 
 class _View:
@@ -193,6 +203,26 @@ class _Derived:
     def _row_concat(self) -> bool:
         return self.fn is torch.cat and (self.args or [self.kwargs.get("dim", 0)])[0] == 0
 
+    def reads_rows(self) -> bool:
+        return self._row_concat() and all(reads_rows(p) for p in self.parts)
+
+    def load_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` of the parts stacked (a merged QKV), read from the parts that hold them."""
+        taken = []
+        for part, (low, high) in zip(self.parts, self._spans(start, stop)):
+            if low < high:
+                taken.append(part.load_rows(low, high))
+        return taken[0] if len(taken) == 1 else torch.cat(taken)
+
+    def _spans(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Each part's rows that fall in ``start:stop`` of the stack, in the part's own numbering."""
+        spans, offset = [], 0
+        for part in self.parts:
+            size = part.shape[0]
+            spans.append((max(start, offset) - offset, min(stop, offset + size) - offset))
+            offset += size
+        return spans
+
     def block_format(self):
         """Rows of block-quantized parts stacked (a merged QKV) are block-quantized, in the
         format that holds every part exactly (``BlockFormat.widened``)."""
@@ -210,15 +240,32 @@ class _Derived:
 
         target = self.block_format()
         start, stop = (0, self.shape[0]) if rows is None else (rows.start, rows.stop)
-        taken, offset = [], 0
-        for part in self.parts:
-            size = part.shape[0]
-            low, high = max(start, offset), min(stop, offset + size)
+        taken = []
+        for part, (low, high) in zip(self.parts, self._spans(start, stop)):
             if low < high:
-                whole = low == offset and high == offset + size
-                taken.append(part.block_quantized(None if whole else slice(low - offset, high - offset)))
-            offset += size
+                whole = low == 0 and high == part.shape[0]
+                taken.append(part.block_quantized(None if whole else slice(low, high)))
         return concatenate([b.widen(target) for b in taken])
+
+
+def reads_rows(source: Any) -> bool:
+    """Whether ``source`` reads a block of its rows without the rest (``load_rows``)."""
+    method = getattr(source, "reads_rows", None)
+    return bool(method()) if method is not None else callable(getattr(source, "load_rows", None))
+
+
+def row_blocks(source: Any, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, data)`` of ``source``'s tensor, ``rows`` rows at a time, in order: each
+    block read on its own where the source can (a checkpoint's tensor, parts stacked from
+    such), so one block is in memory at a time; else sliced from one read of the whole."""
+    n = source.shape[0]
+    if reads_rows(source):
+        for start in range(0, n, rows):
+            yield start, source.load_rows(start, min(n, start + rows))
+        return
+    whole = source.load()
+    for start in range(0, n, rows):
+        yield start, whole[start:start + rows]
 
 
 def block_format(source: Any):

@@ -42,6 +42,7 @@ the layers 4 bits cost too much (graphopt.int8_linear).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -60,6 +61,9 @@ REFIT_ROUNDS = 3
 # Weights quantized at once: 1 MiB fp32 temporaries stay in cache, and memory stays
 # bounded whatever the layer's size.
 _CHUNK_ELEMENTS = 1 << 18
+# Weights read from a checkpoint at once when one is quantized as it is written
+# (``quantize_blocks``): 16 MiB of fp32, so the largest weight is never in memory whole.
+BLOCK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -110,14 +114,17 @@ def quantize_int4(weight: Tensor, group_size: int = 32, symmetric: bool = True,
         return Int4Weight(pack_int4(codes), scales, pack_int4(zeros) if zeros is not None else None, group_size, k)
     groups = -(-k // group_size)
     rows = max(1, _CHUNK_ELEMENTS // (groups * group_size))
-    with one_thread():
-        parts = [_quantize_rows(weight[r:r + rows], group_size, groups, symmetric, dtype, search)
-                 for r in range(0, n, rows)]
-    codes = torch.cat([p[0] for p in parts])
-    scales = torch.cat([p[1] for p in parts])
-    zeros = torch.cat([p[2] for p in parts]) if not symmetric else None
-    return Int4Weight(pack_int4(codes.reshape(n, -1)), scales,
-                      pack_int4(zeros) if zeros is not None else None, group_size, k)
+    packed = torch.empty(n, groups * group_size // 2, dtype=torch.uint8)  # group_size is even
+    scales = torch.empty(n, groups, dtype=dtype)
+    zeros = None if symmetric else torch.empty(n, -(-groups // 2), dtype=torch.uint8)
+    with one_thread():  # packed chunk by chunk: the codes of the whole weight, one a byte, never exist
+        for r in range(0, n, rows):
+            codes, scales[r:r + rows], zero = _quantize_rows(weight[r:r + rows], group_size, groups, symmetric,
+                                                             dtype, search)
+            packed[r:r + rows] = pack_int4(codes.reshape(codes.shape[0], -1))
+            if zeros is not None:
+                zeros[r:r + rows] = pack_int4(zero)
+    return Int4Weight(packed, scales, zeros, group_size, k)
 
 
 def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch.dtype = "float32",
@@ -131,11 +138,35 @@ def quantize_int8(weight: Tensor, group_size: int = 32, scale_dtype: str | torch
         codes, scales, _ = gptq(weight, hessian, group_size, 8, dtype, tokens=tokens, act_order=act_order)
         return Int4Weight(codes, scales, None, group_size, k, bits=8)
     groups = -(-k // group_size)
-    w = torch.nn.functional.pad(weight.detach().float(), (0, groups * group_size - k)).view(n, groups, group_size)
-    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-    scales = round_scale(extreme / -INT8_ZERO, dtype)
-    codes = (round_ties_even(w / scales.unsqueeze(-1)) + INT8_ZERO).clamp(0, 255).to(torch.uint8)
-    return Int4Weight(codes.reshape(n, -1), scales.to(dtype), None, group_size, k, bits=8)
+    codes = torch.empty(n, groups * group_size, dtype=torch.uint8)
+    scales = torch.empty(n, groups, dtype=dtype)
+    rows = max(1, _CHUNK_ELEMENTS // (groups * group_size))
+    with one_thread():  # chunk by chunk: a 151936 x 896 LM head whole made 0.5 GB fp32 temporaries each
+        for r in range(0, n, rows):
+            codes[r:r + rows], scales[r:r + rows] = _int8_rows(weight[r:r + rows], group_size, groups, dtype)
+    return Int4Weight(codes, scales, None, group_size, k, bits=8)
+
+
+def quantize_blocks(blocks: Iterable[tuple[int, Tensor]], n: int,
+                    quantize: Callable[[Tensor], Int4Weight]) -> Int4Weight:
+    """``quantize`` of an [n, K] weight that comes as row blocks (``(first row, rows)``, in
+    order, e.g. ``graphopt.lazy_weights.row_blocks`` of a checkpoint's tensor), into outputs
+    allocated once. Every search here quantizes each row on its own (its groups lie along K),
+    so the result is the whole weight's bit for bit, while only one block's float rows and
+    its temporaries are in memory."""
+    out: Int4Weight | None = None
+    for start, rows in blocks:
+        q = quantize(rows)
+        if out is None:
+            parts = [None if t is None else t.new_empty((n, *t.shape[1:])) for t in (q.packed, q.scales, q.zeros)]
+            out = Int4Weight(*parts, q.group_size, q.in_features, q.bits)
+        stop = start + rows.shape[0]
+        out.packed[start:stop], out.scales[start:stop] = q.packed, q.scales
+        if q.zeros is not None:
+            out.zeros[start:stop] = q.zeros
+    if out is None:
+        raise ValueError("quantize_blocks: the weight came as no rows")
+    return out
 
 
 def _check(weight: Tensor, group_size: int, search: str, hessian: Tensor | None) -> None:
@@ -171,6 +202,17 @@ def _quantize_rows(w: Tensor, group_size: int, groups: int, symmetric: bool, dty
             best = _keep_better(best, (scale, best[1], _error(w, scale, best[1])))
     scale, zero, _ = best
     return _codes(w, scale, zero).to(torch.uint8), scale.to(dtype), zero.to(torch.uint8)
+
+
+def _int8_rows(w: Tensor, group_size: int, groups: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Codes uint8 [R, G * g] and scales [R, G] (``dtype``) of rows ``w``, the group's signed
+    extreme on -128."""
+    w = torch.nn.functional.pad(w.detach().float(), (0, groups * group_size - w.shape[1]))
+    w = w.view(w.shape[0], groups, group_size)
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+    scales = round_scale(extreme / -INT8_ZERO, dtype)
+    codes = (round_ties_even(w / scales.unsqueeze(-1)) + INT8_ZERO).clamp(0, 255).to(torch.uint8)
+    return codes.reshape(w.shape[0], -1), scales.to(dtype)
 
 
 def _symmetric_grid(w: Tensor):

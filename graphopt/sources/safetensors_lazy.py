@@ -8,7 +8,9 @@ every parameter to its tensor in the file (``graphopt.lazy_weights``). A runtime
 its weights (the ONNX exporter's external data) reads them one at a time: ``load()`` maps the
 tensor's bytes, converts them to the model's dtype (fp16/bf16 -> fp32 for a float32 model; the
 same dtype is a plain copy of the file's bytes), and lets go of the mapped pages, so peak memory
-follows the largest tensor, not the model.
+follows the largest tensor, not the model. ``load_rows(start, stop)`` reads a block of rows
+alone: --int4's round-to-nearest quantizes a weight as it is written a block at a time, so
+not even the largest tensor (an LM head) is read whole for it.
 
 The mapping from checkpoint names to parameters is ``hf._load_safetensors``'s (a task-head
 checkpoint's ``bert.`` prefix dropped for a base model); a checkpoint that does not cover every
@@ -55,32 +57,37 @@ class SafetensorsFile:
             with open(self.path, "rb") as handle:
                 self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
 
-    def read(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        """The tensor in ``dtype``: a tensor of its own (the file's bytes copied, or converted
-        from them), the mapped pages released afterwards."""
+    def read(self, name: str, dtype: torch.dtype, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor in ``dtype`` (with ``rows``, only rows ``start:stop`` of its first axis): a
+        tensor of its own (the file's bytes copied, or converted from them), the mapped pages
+        released afterwards."""
         entry = self.tensors[name]
         stored = DTYPES.get(entry.dtype)
         if stored is None:
             raise SafetensorsFormatError(f"{self.path}: {name} is stored as {entry.dtype}, which graphopt does not read")
-        count = entry.stop - entry.start
+        shape, start, stop = entry.shape, entry.start, entry.stop
+        if rows is not None:  # rows of a row-major tensor are one contiguous byte range
+            row_bytes = (stop - start) // entry.shape[0] if entry.shape and entry.shape[0] else 0
+            shape = (rows[1] - rows[0], *entry.shape[1:])
+            start, stop = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+        count = stop - start
         if count == 0 or self._map is None:
-            return torch.empty(entry.shape, dtype=dtype)
+            return torch.empty(shape, dtype=dtype)
         with warnings.catch_warnings():  # the map is read-only and is only read from
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=count, offset=entry.start)
-        mapped = raw.view(stored).reshape(entry.shape)
+            raw = torch.frombuffer(self._map, dtype=torch.uint8, count=count, offset=start)
+        mapped = raw.view(stored).reshape(shape)
         out = mapped.to(dtype, copy=True)
         del raw, mapped
-        self.release(name)
+        self.release(start, stop)
         return out
 
-    def release(self, name: str) -> None:
-        """Let go of the tensor's mapped pages in this process (they stay in the page cache):
-        read pages of a mapped file count as the process's memory."""
-        entry = self.tensors[name]
-        start = entry.start // mmap.PAGESIZE * mmap.PAGESIZE
-        if self._map is not None and entry.stop > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, entry.stop - start)
+    def release(self, start: int, stop: int) -> None:
+        """Let go of the mapped pages of bytes ``start:stop`` in this process (they stay in the
+        page cache): read pages of a mapped file count as the process's memory."""
+        start = start // mmap.PAGESIZE * mmap.PAGESIZE
+        if self._map is not None and stop > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
 
 class SafetensorsTensor:
@@ -96,6 +103,10 @@ class SafetensorsTensor:
 
     def load(self) -> torch.Tensor:
         return self.file.read(self.key, self.dtype).reshape(self.shape)
+
+    def load_rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start:stop`` alone (a quantizer reads a large weight a block at a time)."""
+        return self.file.read(self.key, self.dtype, (start, stop)).reshape(stop - start, *self.shape[1:])
 
     def fingerprint(self) -> str:
         """What the tensor's bytes depend on, for cache keys (``lazy_weights.fingerprint``)."""

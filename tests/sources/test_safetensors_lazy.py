@@ -209,3 +209,51 @@ def test_a_truncated_weights_file_is_one_line(tmp_path):
     with pytest.raises(ModelLoadError, match="cut short") as info:
         load_model(str(folder), stream_weights=True)
     assert "\n" not in str(info.value) and "re-save the checkpoint" in str(info.value)
+
+
+def test_int4_reads_each_weight_a_block_of_rows_at_a_time(llama_bf16, tmp_path, monkeypatch):
+    """The quantizer reads a streamed weight in blocks of rows (16 here) and never whole: not the
+    LM head, nor a merged QKV or gate/up (their parts read where the block falls), each read
+    covering all rows (the ONNX cleanup reads a tiny model's weights again: the codes are
+    computed anew), and the codes are the in-memory export's, bit for bit."""
+    from graphopt.quant import groupwise
+
+    monkeypatch.setattr(groupwise, "BLOCK_ELEMENTS", 16 * 64)
+    whole, rows = [], {}
+    load, load_rows = safetensors_lazy.SafetensorsTensor.load, safetensors_lazy.SafetensorsTensor.load_rows
+
+    def spy_load(self):
+        whole.append(self.key)
+        return load(self)
+
+    def spy_rows(self, start, stop):
+        rows.setdefault(self.key, []).append(stop - start)
+        return load_rows(self, start, stop)
+
+    quantized = []
+    quantize_int8 = groupwise.quantize_int8
+
+    def spy_int8(w, *args, **kwargs):
+        quantized.append(tuple(w.shape))
+        return quantize_int8(w, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors_lazy.SafetensorsTensor, "load", spy_load)
+    monkeypatch.setattr(safetensors_lazy.SafetensorsTensor, "load_rows", spy_rows)
+    monkeypatch.setattr(groupwise, "quantize_int8", spy_int8)
+    config = Options.parse({"pass_options": RTN})
+    export(load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True), tmp_path / "lazy.onnx",
+           config=config, int4=True)
+    header = read_header(llama_bf16 / "model.safetensors")
+    linears = [k for k in header if k.endswith("proj.weight") or k == "lm_head.weight"]
+    assert len(linears) == 7 * LAYERS + 1
+    assert not set(whole) & set(linears)  # read by rows only: the head too
+    for key in linears:
+        assert max(rows[key]) <= 16 and sum(rows[key]) % header[key].shape[0] == 0, key
+    assert [s for s in quantized if s[0] > 1] and max(s[0] for s in quantized) <= 16  # the 8-bit head, in blocks
+    monkeypatch.undo()
+    export(load_model(str(llama_bf16), batch=2, seq_len=8), tmp_path / "whole.onnx", config=config, int4=True)
+    lazy, in_memory = initializers(tmp_path / "lazy.onnx"), initializers(tmp_path / "whole.onnx")
+    assert sorted(lazy) == sorted(in_memory)
+    for name in lazy:
+        assert np.array_equal(lazy[name], in_memory[name]), name
+
