@@ -124,15 +124,13 @@ def export_model(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]
 
 def _reference(module: torch.nn.Module, optimized):
     """What the saved file is checked against: the module itself, or for a module whose weights
-    are still in its checkpoint (lazy), the optimized graph with the checkpoint's tensors read in
+    are still in its checkpoint (lazy), the optimized graph, which reads the checkpoint's tensors
     as the file holds them (a quantized checkpoint's codes, dequantized a weight at a time by
-    the ops' references): the same values, without a float copy of every weight."""
+    the ops' references) one node at a time as it runs (validate.run_streamed): the same
+    values, without a float copy of every weight."""
     from graphopt import lazy_weights
 
-    if not lazy_weights.has_lazy_weights(module):
-        return module
-    lazy_weights.load_constants(optimized)
-    return optimized
+    return optimized if lazy_weights.has_lazy_weights(module) else module
 
 
 def _untraceable(error: Exception) -> GraphoptError:
