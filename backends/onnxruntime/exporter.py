@@ -39,10 +39,18 @@ class OnnxExporter:
 
     def lower_graph(self, gm, example_inputs):
         """An optimized graph with concrete inputs -> its OnnxModel at their shapes, as a static
-        session build exports it (``graphopt debug --target onnxruntime`` shows its passes)."""
-        from graphopt.backends.onnxruntime.lower.export import export_graph
+        session build exports it (``graphopt debug --target onnxruntime`` shows its passes). Its
+        passes end with the rewrite a CPU session's bytes get (``onnx:transposed_weights``), run
+        on bytes made as for one and dropped, so the listing has every ONNX pass a compiled graph
+        gets; no session is opened."""
+        import onnxruntime
 
-        return export_graph(gm, list(example_inputs), dynamic=False, tidy_attention=True)
+        from graphopt.backends.onnxruntime.lower.export import export_graph
+        from graphopt.backends.onnxruntime.runtime.weights_in_memory import serialize_sharing_weights
+
+        model = export_graph(gm, list(example_inputs), dynamic=False, tidy_attention=True)
+        model.passes.extend(serialize_sharing_weights(model, onnxruntime.SessionOptions())[2])
+        return model
 
     def open(self, path: str, provider: str):
         """A runner on the written file: ``runner(*inputs) -> list of tensors``."""

@@ -242,7 +242,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
                    arena: bool | None = None):
     """Export ``gm`` and open its session; record the build on the graph's report."""
     from graphopt.backends.onnxruntime.lower.export import export_graph
-    from graphopt.backends.onnxruntime.runtime.session import create_session
+    from graphopt.backends.onnxruntime.runtime.session import create_session, session_passes
 
     report = report or reports.current_report()
     start = time.perf_counter()
@@ -262,7 +262,8 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
     release_free_heap()  # the export ran in its own thread, whose glibc arena keeps what it freed
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)
     if report is not None:
-        report.record_target_passes(model.passes.records, model.passes.near_misses)
+        for passes in (model.passes, session_passes(session)):  # the export's, then the session bytes'
+            report.record_target_passes(passes.records, passes.near_misses)
         report.record_build("onnxruntime session", shapes, dims, done - start,
                             export_s=round(exported - start, 4), session_s=round(done - exported, 4),
                             export_route=model.route)

@@ -125,6 +125,7 @@ class OrtRunner:
     def _export_decoder(self, input_ids: Tensor) -> None:
         from graphopt.backends.onnxruntime.decoder import decoder_cache
         from graphopt.backends.onnxruntime.decoder.inplace_cache import export_decoder
+        from graphopt.backends.onnxruntime.runtime.session import session_passes
         from graphopt.export.files import ExportResult, Timer
 
         config = self.config
@@ -156,6 +157,7 @@ class OrtRunner:
         else:
             with timer("session"):
                 self.decoder = InPlaceSession(decoder_session(model))
+            records += [r.to_dict() for r in session_passes(self.decoder.session).records]  # its bytes' own
             if key:
                 with timer("cache store"):
                     self.notes.append(decoder_cache.store(key, model)[1])

@@ -8,13 +8,18 @@ PassManager makes for an FX pass, named ``onnx:<name>``; the export hands them t
 compile report (``report.passes``, ``graphopt debug``). A pass that raises is recorded as failed
 and the error goes on to the export's caller, as before: an ONNX rewrite that breaks is an
 export that failed, which the target's fallback handles.
+
+``record_run`` is the step under ``run_onnx_passes``: it times and records any rewrite that
+returns an ``OnnxPassResult``, so one that runs on another form of the model than onnx_ir's
+(``transposed_weights``: the protobuf a CPU session is made from) is reported the same way.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from graphopt.pass_manager import NearMiss, PassRecord
 
@@ -63,21 +68,29 @@ def run_onnx_passes(model: Any, passes: Sequence[OnnxPass]) -> OnnxPassRun:
     """Run ``passes`` in order on ``model`` (onnx_ir, in place); their records and near misses."""
     done = OnnxPassRun()
     for p in passes:
-        record = PassRecord(PREFIX + p.name, nodes_before=node_count(model))
-        done.records.append(record)
-        start = time.perf_counter()
-        try:
-            result = p.run(model)
-        except Exception as error:
-            record.time_ms = (time.perf_counter() - start) * 1e3
-            record.status, record.error = "failed", f"{type(error).__name__}: {error}"
-            record.nodes_after = node_count(model)
-            raise
+        done.extend(record_run(p.name, functools.partial(p.run, model), functools.partial(node_count, model)))
+    return done
+
+
+def record_run(name: str, run: Callable[[], OnnxPassResult], count_nodes: Callable[[], int]) -> OnnxPassRun:
+    """``run()`` timed and recorded as the pass ``onnx:<name>``, with ``count_nodes()`` of the
+    model it rewrites before and after; an error is recorded as failed and raised again."""
+    done = OnnxPassRun()
+    record = PassRecord(PREFIX + name, nodes_before=count_nodes())
+    done.records.append(record)
+    start = time.perf_counter()
+    try:
+        result = run()
+    except Exception as error:
         record.time_ms = (time.perf_counter() - start) * 1e3
-        record.matches = int(result.changed)
-        record.stats = {"matches": int(result.changed), **{k: int(v) for k, v in result.stats.items()}}
-        record.status = "changed" if result.changed else "unchanged"
-        record.nodes_after = node_count(model)
-        record.near_misses = len(result.near_misses)
-        done.near_misses += [NearMiss(record.name, m.node, m.node, m.reason) for m in result.near_misses]
+        record.status, record.error = "failed", f"{type(error).__name__}: {error}"
+        record.nodes_after = count_nodes()
+        raise
+    record.time_ms = (time.perf_counter() - start) * 1e3
+    record.matches = int(result.changed)
+    record.stats = {"matches": int(result.changed), **{k: int(v) for k, v in result.stats.items()}}
+    record.status = "changed" if result.changed else "unchanged"
+    record.nodes_after = count_nodes()
+    record.near_misses = len(result.near_misses)
+    done.near_misses += [NearMiss(record.name, m.node, m.node, m.reason) for m in result.near_misses]
     return done

@@ -22,14 +22,28 @@ A MatMul whose output feeds an Add keeps its form: ORT fuses MatMul + Add into G
 in the GEMM's epilogue), which it does not do for FusedMatMul. Only float32 weights are read
 this way: FusedMatMul's CPU kernel is float32's (ORT casts around it for other types). Saved files (``graphopt
 export``) are not rewritten: they stay plain ONNX for every runtime.
+
+So it is not one of the export's ONNX passes (``runner.OnnxPass``, run on the onnx_ir model):
+which weights it may flip is known only while ``weights_in_memory.py`` hands them over (a
+weight held as a transposed view), and it rewrites that session's protobuf, never the model.
+It is recorded as they are, though: ``runner.record_run`` makes its ``onnx:transposed_weights``
+record (matches: the MatMuls made FusedMatMul; ``weights``: the weights the session reads as
+they are held, with no transposed copy; ``bytes``: their size, the copies not made). The
+record belongs to the session (``session.session_passes``); the target adds it to the graph's
+report after the export's passes, and ``graphopt debug --target onnxruntime`` lists it last.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:
+    from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassResult
 
 MS_DOMAIN = "com.microsoft"
+NAME = "transposed_weights"  # reported as onnx:transposed_weights, beside the export's passes
 
 
 def transposed_matmul_weights(graph: Any) -> set[str]:
@@ -58,11 +72,14 @@ def _feeds_add(node: Any) -> bool:
     return any(use.op_type == "Add" for out in node.outputs for use, _ in out.uses())
 
 
-def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opset_import: Any) -> int:
+def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opset_import: Any) -> OnnxPassResult:
     """Rewrite a GraphProto in place: the initializers in ``flipped`` now hold their
     transposes (shape given), so their MatMuls become FusedMatMul(transB=1); and
     MatMul(x, Transpose(W)) of a 2-D initializer W becomes FusedMatMul(x, W, transB=1).
-    Returns how many MatMuls changed."""
+    Returns an ``OnnxPassResult``: how many MatMuls changed, and the ``weights`` read with no
+    transposed copy (the flipped ones and those whose Transpose went) and their ``bytes``."""
+    from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassResult  # here: runner imports torch
+
     initializers = {t.name: t for t in graph.initializer}
     for name, shape in flipped.items():
         tensor = initializers[name]
@@ -80,7 +97,7 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
     transposes = {node.output[0] for node in graph.node if _is_foldable_transpose(node, initializers)}
     producer = {node.output[0]: node for node in graph.node if node.output}
 
-    changed = 0
+    changed, bypassed = 0, set()  # bypassed: the Transposes a MatMul no longer reads
     for node in graph.node:
         if not _is_plain_matmul(node) or len(node.input) != 2:
             continue
@@ -90,19 +107,31 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
             changed += 1
         elif b in transposes and not any(r.op_type == "Add" for out in node.output for r in readers[out]):
             _to_fused_transposed(node, producer[b].input[0])
+            bypassed.add(b)
             changed += 1
     # A Transpose no one reads any more goes, or ORT would still fold it into a copy.
     read = {name for node in graph.node for name in node.input} | set(_subgraph_inputs(graph.node))
     read |= {v.name for v in graph.output}
-    kept = [node for node in graph.node if not (node.output and node.output[0] in transposes
-                                                and node.output[0] not in read)]
+    gone = {name: producer[name].input[0] for name in transposes if name not in read}
+    kept = [node for node in graph.node if not (node.output and node.output[0] in gone)]
     if len(kept) != len(graph.node):
         del graph.node[:]
         graph.node.extend(kept)
     if changed and not any(o.domain == MS_DOMAIN for o in opset_import):
         entry = opset_import.add()
         entry.domain, entry.version = MS_DOMAIN, 1
-    return changed
+    # The weights no transposed copy is made of: a Transpose still read by another op is still folded into one.
+    still = {producer[name].input[0] for name in transposes if name not in gone}
+    uncopied = set(flipped) | {weight for name, weight in gone.items() if name in bypassed and weight not in still}
+    return OnnxPassResult(changed, {"weights": len(uncopied),
+                                    "bytes": sum(_nbytes(initializers[name]) for name in uncopied)})
+
+
+def _nbytes(tensor: Any) -> int:
+    """A TensorProto's size in bytes, from its dims (its data may lie outside: weights_in_memory)."""
+    from onnx import helper
+
+    return math.prod(tensor.dims) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
 
 
 def _is_foldable_transpose(node: Any, initializers: dict) -> bool:

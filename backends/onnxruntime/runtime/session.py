@@ -97,8 +97,9 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     keepalive = None
     source: Any = model
     handed_over = None  # weights the session reads in place: they live as long as it does
+    rewrites = None  # what its bytes got that the model did not (transposed_weights.py)
     if hasattr(model, "to_bytes") and provider == "cpu":  # other providers: not tried on a device yet
-        source, handed_over = serialize_sharing_weights(model, session_options)
+        source, handed_over, rewrites = serialize_sharing_weights(model, session_options)
     elif hasattr(model, "to_bytes"):
         if model.is_large():
             keepalive = tempfile.TemporaryDirectory(prefix="graphopt-ort-")
@@ -121,7 +122,18 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     session._graphopt_keepalive = keepalive  # noqa: SLF001  (the external-data folder)
     session._graphopt_weights = handed_over  # noqa: SLF001  (the buffers it computes on)
     session._graphopt_arena = arena  # noqa: SLF001
+    session._graphopt_passes = rewrites  # noqa: SLF001  (session_passes)
     return session
+
+
+def session_passes(session: Any):
+    """The ONNX passes run on the bytes ``session`` was made from, not on its model
+    (``onnx:transposed_weights`` for an in-memory model on the CPU), as a ``runner.OnnxPassRun``:
+    the caller adds them to the graph's report after the export's. Empty for a session made from
+    bytes or a file, which is made from them as they are."""
+    from graphopt.backends.onnxruntime.onnx_passes.runner import OnnxPassRun
+
+    return getattr(session, "_graphopt_passes", None) or OnnxPassRun()
 
 
 class SessionRunner:

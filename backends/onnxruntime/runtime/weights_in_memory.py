@@ -8,7 +8,8 @@ as external data at a location that names no file, and ORT is handed each one as
 OrtValue (``SessionOptions.add_external_initializers``), which it takes in place of reading
 the file. A model over protobuf's 2 GB limit needs no temporary files. A Linear's weight,
 which the model reads transposed, is handed over as torch holds it, with no transposed copy
-(``transposed_weights.py``).
+(``transposed_weights.py``); that rewrite of the session's bytes is recorded as the ONNX passes
+are (``onnx:transposed_weights``), and ``create_session`` keeps the record on the session.
 
 ORT copies external initializers into the graph it loads, and its CPU MatMul kernels then
 prepack each float weight into a layout of their own: one more copy of every weight per
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from graphopt.backends.onnxruntime.onnx_passes.transposed_weights import multiply_by_transposes, transposed_matmul_weights
+from graphopt.backends.onnxruntime.onnx_passes import transposed_weights
 
 IN_MEMORY = "graphopt-in-memory"  # the external-data location: no file, ORT gets the values
 MIN_BYTES = 1024  # smaller initializers stay in the model's bytes
@@ -51,19 +52,22 @@ def prepacking_pays(graph: Any) -> bool:
     return any(node.op_type in PREPACK_PAYS for node in ir.traversal.RecursiveGraphIterator(graph))
 
 
-def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list]:
+def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list, Any]:
     """``model`` (an onnx_model.OnnxModel) as bytes without its large initializers, which are
     added to ``session_options`` instead, both as the graph's data and as the session's own
     initializers. Returns (the bytes, the OrtValues and the buffers under them, which the
-    session reads in place: keep them as long as it lives). Turns prepacking off where it does
-    not pay (``prepacking_pays``). The model itself is left as it was."""
+    session reads in place: keep them as long as it lives, and the ``runner.OnnxPassRun`` of
+    the rewrite those bytes got: ``onnx:transposed_weights``). Turns prepacking off where it
+    does not pay (``prepacking_pays``). The model itself is left as it was."""
     import onnx_ir as ir
     import onnxruntime
     import torch
 
+    from graphopt.backends.onnxruntime.onnx_passes.runner import record_run
+
     graph = model.model.graph
     graph_inputs = {value.name for value in graph.inputs}
-    as_transposes = transposed_matmul_weights(graph)
+    as_transposes = transposed_weights.transposed_matmul_weights(graph)
     swapped, names, values, arrays, flipped = {}, [], [], [], {}
     for name, value in graph.initializers.items():
         tensor = value.const_value
@@ -92,7 +96,9 @@ def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, 
     finally:
         for name, tensor in swapped.items():
             graph.initializers[name].const_value = tensor
-    multiply_by_transposes(proto.graph, flipped, proto.opset_import)
+    rewrites = record_run(transposed_weights.NAME,
+                          lambda: transposed_weights.multiply_by_transposes(proto.graph, flipped, proto.opset_import),
+                          lambda: len(proto.graph.node))
     data = proto.SerializeToString()
     if names:
         session_options.add_external_initializers(names, values)
@@ -100,4 +106,4 @@ def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, 
             session_options.add_initializer(name, ortvalue)
         if not prepacking_pays(graph):
             session_options.add_session_config_entry("session.disable_prepacking", "1")
-    return data, [arrays, values]
+    return data, [arrays, values], rewrites

@@ -20,7 +20,7 @@ from tests.backends.onnxruntime._helpers import Call
 
 
 def _session_bytes(model) -> tuple[onnx.ModelProto, list]:
-    data, (arrays, _) = serialize_sharing_weights(model, onnxruntime.SessionOptions())
+    data, (arrays, _), _ = serialize_sharing_weights(model, onnxruntime.SessionOptions())
     proto = onnx.ModelProto()
     proto.ParseFromString(data)
     return proto, arrays
@@ -53,6 +53,53 @@ def test_a_linear_weight_is_handed_over_as_torch_holds_it_and_read_transposed():
     torch.testing.assert_close(got, module(x), rtol=1e-5, atol=1e-5)
 
 
+def _two_linears():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(32, 48, bias=False), torch.nn.ReLU(), torch.nn.Linear(48, 16, bias=False))
+    return module, torch.randn(2, 5, 32)
+
+
+TWO_LINEARS_RECORD = {"matches": 2, "weights": 2, "bytes": (48 * 32 + 16 * 48) * 4}
+
+
+def test_the_rewrite_is_reported_as_an_onnx_pass_after_the_exports():
+    """onnx:transposed_weights in the graph's report, once, after the export's passes: the
+    MatMuls it made FusedMatMul, the weights handed over with no transposed copy, their bytes."""
+    import graphopt
+
+    module, x = _two_linears()
+    graphopt.reset()
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="graphopt",
+                             options={"target": "onnxruntime", "provider": "cpu", "fallback": "error"})
+    with torch.no_grad():
+        for _ in range(2):  # a build may wait for the second call (lazy_build.py)
+            torch.testing.assert_close(compiled(x), module(x), rtol=1e-5, atol=1e-5)
+    (report,) = graphopt.reports()
+    onnx_names = [p.name for p in report.passes if p.name.startswith("onnx:")]
+    assert onnx_names[-1] == "onnx:transposed_weights" and onnx_names.count("onnx:transposed_weights") == 1
+    record = report.passes[-1]
+    assert record.status == "changed" and record.matches == 2 and record.stats == TWO_LINEARS_RECORD
+    assert record.nodes_before == record.nodes_after  # node for node: MatMul -> FusedMatMul
+
+
+def test_graphopt_debug_lists_it_and_a_session_made_from_bytes_has_none():
+    from graphopt.backends.onnxruntime.exporter import onnx_exporter
+    from graphopt.backends.onnxruntime.runtime.session import session_passes
+
+    module, x = _two_linears()
+    program = export_aten_graph(module, (x,))
+    model = export_graph(program.gm, program.example_inputs, dynamic=False)
+    assert "onnx:transposed_weights" not in [r.name for r in model.passes.records]  # the model is not rewritten
+    (made,) = session_passes(create_session(model)).records
+    assert made.name == "onnx:transposed_weights" and made.stats == TWO_LINEARS_RECORD
+    assert session_passes(create_session(model.to_bytes())).records == []  # its bytes as they are
+
+    lowered = onnx_exporter.lower_graph(program.gm, program.example_inputs)  # graphopt debug --target onnxruntime
+    last = onnx_exporter.pass_records(lowered)[-1]
+    assert last.name == "onnx:transposed_weights" and last.stats == TWO_LINEARS_RECORD
+
+
 def _model(nodes, initializers, inputs, outputs) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -79,7 +126,8 @@ def test_matmul_of_a_transposed_initializer_reads_the_initializer_and_the_transp
         [helper.make_tensor_value_info("ids", TensorProto.INT64, [1, 3])], [_value("logits", [1, 3, 40])])
     feeds = {"ids": np.array([[1, 7, 39]], dtype=np.int64)}
     want = _run(proto, feeds)[0]
-    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 1
+    result = multiply_by_transposes(proto.graph, {}, proto.opset_import)
+    assert result.changed == 1 and result.stats == {"weights": 1, "bytes": 40 * 8 * 4}  # no transposed table
     assert _ops(proto) == ["Gather", "FusedMatMul"]
     assert proto.graph.node[1].input[1] == "table"
     np.testing.assert_allclose(_run(proto, feeds)[0], want, rtol=1e-6, atol=1e-6)
@@ -98,7 +146,8 @@ def test_a_transpose_read_by_another_op_stays_for_it():
                                       [_value("y", [2, 6]), _value("r", [4, 6])])
     feeds = {"x": np.random.default_rng(2).standard_normal((2, 4)).astype(np.float32)}
     want = _run(proto, feeds)
-    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 1
+    result = multiply_by_transposes(proto.graph, {}, proto.opset_import)
+    assert result.changed == 1 and result.stats == {"weights": 0, "bytes": 0}  # ORT still copies it for the Relu
     assert _ops(proto) == ["Transpose", "FusedMatMul", "Relu"]
     for got, expected in zip(_run(proto, feeds), want):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
@@ -107,7 +156,7 @@ def test_a_transpose_read_by_another_op_stays_for_it():
 def test_a_matmul_that_feeds_an_add_keeps_its_form_for_orts_gemm_fusion():
     proto = _matmul_by_transpose_then(helper.make_node("Add", ["y", "b"], ["z"]),
                                       [numpy_helper.from_array(np.ones(6, np.float32), "b")], [_value("z", [2, 6])])
-    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 0
+    assert multiply_by_transposes(proto.graph, {}, proto.opset_import).changed == 0
     assert _ops(proto) == ["Transpose", "MatMul", "Add"]
     assert not any(o.domain == "com.microsoft" for o in proto.opset_import)
 
@@ -118,7 +167,7 @@ def test_a_transpose_of_a_3d_initializer_or_another_perm_is_left():
         [helper.make_node("Transpose", ["w3"], ["w3_t"], perm=[0, 2, 1]),
          helper.make_node("MatMul", ["x", "w3_t"], ["y"])],
         [numpy_helper.from_array(w3, "w3")], [_value("x", [2, 5, 4])], [_value("y", [2, 5, 3])])
-    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 0
+    assert multiply_by_transposes(proto.graph, {}, proto.opset_import).changed == 0
     assert _ops(proto) == ["Transpose", "MatMul"]
 
 
@@ -153,7 +202,8 @@ def test_a_flipped_initializer_gets_its_new_dims_and_loses_a_contradicting_value
     want = _run(proto, feeds)[0]
     proto.graph.initializer[0].CopyFrom(numpy_helper.from_array(w, "w"))  # the weight as handed over
     proto.graph.initializer[0].dims[:] = [5, 3]  # as the serialized model declares it
-    assert multiply_by_transposes(proto.graph, {"w": (3, 5)}, proto.opset_import) == 1
+    result = multiply_by_transposes(proto.graph, {"w": (3, 5)}, proto.opset_import)
+    assert result.changed == 1 and result.stats == {"weights": 1, "bytes": 3 * 5 * 4}
     assert list(proto.graph.initializer[0].dims) == [3, 5] and not proto.graph.value_info
     np.testing.assert_allclose(_run(proto, feeds)[0], want, rtol=1e-6, atol=1e-6)
 
@@ -169,5 +219,5 @@ def test_a_weight_that_is_not_float32_keeps_its_matmul():
     graph = _ir_graph(nodes[:1], [numpy_helper.from_array(w16, "w16")], [x16], outputs[:1])
     assert transposed_matmul_weights(graph) == set()
     proto = _model(nodes[1:], [numpy_helper.from_array(w16, "w16")], [x16], outputs[1:])
-    assert multiply_by_transposes(proto.graph, {}, proto.opset_import) == 0
+    assert multiply_by_transposes(proto.graph, {}, proto.opset_import).changed == 0
     assert _ops(proto) == ["Transpose", "MatMul"]

@@ -44,7 +44,7 @@ def test_the_bytes_hold_no_large_weight_and_the_model_is_left_as_it_was():
     large = sum(t.nbytes for t in before.values() if t.nbytes >= MIN_BYTES)
     assert large >= 64 * 32 * 4 + 100 * 16 * 4
     options = onnxruntime.SessionOptions()
-    data, keep = serialize_sharing_weights(model, options)
+    data, keep, _ = serialize_sharing_weights(model, options)
     assert len(data) < len(model.to_bytes()) - large + 1024 and IN_MEMORY.encode() in data
     arrays, values = keep
     assert len(arrays) == len(values) == sum(t.nbytes >= MIN_BYTES for t in before.values())
