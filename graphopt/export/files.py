@@ -77,20 +77,21 @@ def check_destination(path: str | os.PathLike, force: bool) -> Path:
     return path
 
 
-def save_atomically(model: Any, path: Path) -> list[str]:
-    """Write ``model`` (an exported model: ``save``, ``is_large``) into a temporary folder beside
-    ``path``, then move into place (weights first, the model file last): an interrupted export
-    leaves no half-written model."""
+def save_atomically(model: Any, path: Path, external_data: bool | None = None) -> list[str]:
+    """Write ``model`` (an exported model: ``save(path, external_data)``) into a temporary folder
+    beside ``path``, then move into place (weights first, the model file last): an interrupted
+    export leaves no half-written model. ``external_data``: the weights in a ``.data`` file
+    beside it (None: where the model needs it, over 2 GB)."""
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
-        written = [Path(f) for f in model.save(tmp / path.name)]
+        written = [Path(f) for f in model.save(tmp / path.name, external_data)]
         final = []
         for f in sorted(written, key=lambda p: p.name == path.name):  # the .onnx file last
             os.replace(f, path.parent / f.name)
             final.append(str(path.parent / f.name))
         stale = path.parent / (path.name + ".data")
-        if not model.is_large() and stale.exists():
-            stale.unlink()  # weights of an earlier, larger export under this name
+        if str(stale) not in final and stale.exists():
+            stale.unlink()  # weights of an earlier export with external data under this name
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -309,3 +309,16 @@ def test_a_validated_streamed_export_matches_eager(qwen_fp32, tmp_path):
                           input_names=["input_ids"], output_names=["logits"])
     rows = result.files[0].validation
     assert len(rows) == 2 and all(r["rel_err"] < 1e-4 and r["top1_agreement"] == 1.0 for r in rows)
+
+
+def test_a_streamed_export_writes_its_weights_beside_the_model(qwen_fp32, tmp_path):
+    """Weights still in their checkpoint go to m.onnx.data one at a time, whatever the model's
+    size (inline, the protobuf would hold them all, then its serialized bytes); an in-memory
+    export under the same name then writes inline and removes the stale .data file."""
+    streamed = export(load_model(str(qwen_fp32), batch=2, seq_len=8, stream_weights=True), tmp_path / "m.onnx",
+                      int4=True)
+    assert streamed.files[0].files == [str(tmp_path / "m.onnx.data"), str(tmp_path / "m.onnx")]
+    got = run_onnx(tmp_path / "m.onnx", IDS)
+    in_memory = export(load_model(str(qwen_fp32), batch=2, seq_len=8), tmp_path / "m.onnx", int4=True, force=True)
+    assert in_memory.files[0].files == [str(tmp_path / "m.onnx")] and not (tmp_path / "m.onnx.data").exists()
+    assert np.array_equal(run_onnx(tmp_path / "m.onnx", IDS), got)
