@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from graphopt import ir
+from graphopt import ir, lazy_weights
+from graphopt.passes import _quantize_plan
 from graphopt.quant import groupwise
 from graphopt.rewrite.linears import param_name
 from graphopt.pass_manager import NearMiss
@@ -128,10 +129,14 @@ def _quantize(gm: fx.GraphModule, table_node: fx.Node, table: torch.Tensor, head
         record.update(shared=True, tied_to=head_record["name"])
         return (codes, scales), record
     dtype = table.dtype if options.scale_dtype == "auto" else options.scale_dtype
-    if bits == 8:
-        q = groupwise.quantize_int8(table, group, dtype)
-    else:
-        q = groupwise.quantize_int4(table, group, True, dtype, "rtn")
+
+    def quantize(rows: torch.Tensor) -> groupwise.Int4Weight:
+        if bits == 8:
+            return groupwise.quantize_int8(rows, group, dtype)
+        return groupwise.quantize_int4(rows, group, True, dtype, "rtn")
+
+    # a table still in its checkpoint is quantized as it is written, a block of rows at a time
+    q = _quantize_plan.quantize_lazily(table, quantize) if lazy_weights.is_lazy(table) else quantize(table)
     nodes = (constant(gm, name, "qweight", q.packed), constant(gm, name, "scales", q.scales))
     record = _record(name, table, q, options, table_node.target, "rtn", out_size)
     if head_record is not None:  # tied, at other bits: two copies of the codes; the fp32 table counts once
@@ -149,7 +154,7 @@ def _record(name: str, table: torch.Tensor, q, options: Any, key: str, search: s
         "symmetric": True,
         "scale_dtype": str(q.scales.dtype).removeprefix("torch."),
         "search": search,
-        "rel_error": groupwise.relative_error(table, q),
+        "rel_error": None if lazy_weights.is_lazy(table) else groupwise.relative_error(table, q),  # lazy: unread
         "output_error": None,
         "bytes_before": table.numel() * table.element_size(),
         "bytes_fp32": table.numel() * 4,

@@ -14,7 +14,7 @@ The pass itself (matching linears, rewriting them, options) is passes/quantize_i
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.fx as fx
@@ -89,17 +89,8 @@ def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = Fa
                                           options.act_order)
 
     if lazy_weights.is_lazy(w):
-        # Still in its checkpoint: quantized from the file when the runtime's weights are written,
-        # one weight at a time and that weight a block of rows at a time (calibration and a budget
-        # need the data now: the caller loads it).
-        q = _lazy_like(w, quantize(bits, torch.ones(1, w.shape[1], dtype=w.dtype)))
-        rows = max(1, groupwise.BLOCK_ELEMENTS // w.shape[1])
-
-        def stream(source) -> tuple:
-            blocks = lazy_weights.row_blocks(source, rows)
-            return _fields(groupwise.quantize_blocks(blocks, w.shape[0], lambda block: quantize(bits, block)))
-
-        lazy_weights.derive_each(stream, [w], _fields(q), streamed=True)
+        # Still in its checkpoint (calibration and a budget need the data now: the caller loads it)
+        q = quantize_lazily(w, lambda weight: quantize(bits, weight))
         return q, layer_record(name, w, q, options, m.weight.target, search, None)
     q = quantize(bits)
     record = layer_record(name, w, q, options, m.weight.target, search, h)
@@ -115,6 +106,21 @@ def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = Fa
         record.update(_q4=q, _q8=q, bytes4=q.nbytes, bytes8=q.nbytes, rel_error4=record["rel_error"],
                       rel_error8=record["rel_error"], error4=error, error8=error)
     return q, record
+
+
+def quantize_lazily(w: torch.Tensor, quantize: Callable[[torch.Tensor], Int4Weight]) -> Int4Weight:
+    """Fake constants shaped as the lazy weight ``w`` quantized, linked to ``quantize`` run on
+    its data when the runtime's weights are written: one weight at a time, and that weight a
+    block of rows at a time (``quantize`` must treat rows on their own, as round-to-nearest and
+    the scale search do)."""
+    q = _lazy_like(w, quantize(torch.ones(1, w.shape[1], dtype=w.dtype)))
+    rows = max(1, groupwise.BLOCK_ELEMENTS // w.shape[1])
+
+    def stream(source) -> tuple:
+        return _fields(groupwise.quantize_blocks(lazy_weights.row_blocks(source, rows), w.shape[0], quantize))
+
+    lazy_weights.derive_each(stream, [w], _fields(q), streamed=True)
+    return q
 
 
 def _fields(q: Int4Weight) -> tuple:

@@ -168,6 +168,26 @@ def test_int4_rtn_streamed_matches_the_in_memory_path_bit_for_bit(fixture, symme
     assert np.array_equal(run_onnx(tmp_path / "lazy.onnx", IDS), run_onnx(tmp_path / "whole.onnx", IDS))
 
 
+@pytest.mark.parametrize("fixture,bits", [("llama_bf16", 4), ("qwen_fp32", 8)])
+def test_quantized_embeddings_stream_to_the_in_memory_codes(fixture, bits, request, tmp_path):
+    """--embedding-bits on a streamed checkpoint: the table is quantized as it is written (the
+    whole INT4 pass failed on the fake table before), to the in-memory export's codes; Qwen2's
+    tied table at 8 bits reads its 8-bit head's codes."""
+    folder = request.getfixturevalue(fixture)
+    config = Options.parse({"pass_options": {"quantize_int4": {"search": "rtn", "embedding_bits": bits}}})
+    lazy_result = export(load_model(str(folder), batch=2, seq_len=8, stream_weights=True), tmp_path / "lazy.onnx",
+                         config=config, int4=True)
+    export(load_model(str(folder), batch=2, seq_len=8), tmp_path / "whole.onnx", config=config, int4=True)
+    assert not lazy_result.fallbacks
+    stats = next(r for r in lazy_result.passes if r["name"] == "quantize_int4")["stats"]
+    assert stats["embeddings"] == 1
+    lazy, whole = initializers(tmp_path / "lazy.onnx"), initializers(tmp_path / "whole.onnx")
+    assert sorted(lazy) == sorted(whole)
+    assert not any(v.shape == (160, 64) and v.dtype.kind == "f" for v in lazy.values())  # no float table
+    for name in lazy:
+        assert np.array_equal(lazy[name], whole[name]), name
+
+
 def test_gptq_needs_the_weights_and_says_how_to_stream(llama_bf16, tmp_path):
     loaded = load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True)
     gptq = Options.parse({"pass_options": {"quantize_int4": {"search": "gptq"}}})
