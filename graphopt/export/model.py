@@ -129,7 +129,7 @@ def _reference(module: torch.nn.Module, optimized):
     """What the saved file is checked against: the module itself, or for a module whose weights
     are still in its checkpoint (lazy), the optimized graph, which reads the checkpoint's tensors
     as the file holds them (a quantized checkpoint's codes, dequantized a weight at a time by
-    the ops' references) one node at a time as it runs (validate.run_streamed): the same
+    the ops' references) one node at a time as it runs (graphopt.lazy_graph.run): the same
     values, without a float copy of every weight."""
     from graphopt import lazy_weights
 

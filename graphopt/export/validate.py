@@ -5,10 +5,10 @@ The eager side runs first, on every input set, and only then is the file opened,
 reference and the runtime's session are never in memory together. A reference whose weights
 are still in their checkpoint (the optimized graph of a streamed export: its constants are
 lazy, graphopt/lazy_weights.py) runs node by node on all the input sets at once
-(``run_streamed``): each constant is read when a node uses it and dropped after that node,
-so one layer's weights are in memory at a time, each read once, in the dtype the file holds
-them (a float32 export of a bf16 checkpoint: float32, converted a tensor at a time), and the
-outputs are the ones the graph with every constant read in gives, bit for bit.
+(graphopt/lazy_graph.py): each weight is read when a node uses it and dropped after that
+node, so one layer's weights are in memory at a time, each read once, in the dtype the file
+holds them (a float32 export of a bf16 checkpoint: float32, converted a tensor at a time),
+and the outputs are the ones the graph with every weight read in gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
-from graphopt import lazy_weights
+from graphopt import lazy_graph
 from graphopt.errors import GraphoptError
 
 
@@ -66,96 +66,11 @@ def validate(path: str, module: torch.nn.Module, input_sets: Sequence[Sequence[t
 
 def reference_outputs(module: Callable[..., Any], input_sets: Sequence[Sequence[Any]]) -> list[Any]:
     """``module(*inputs)`` for each input set, without gradients; a graph with lazy constants
-    runs streamed (``run_streamed``) instead of reading them all in."""
+    runs streamed (``graphopt.lazy_graph.run``) instead of reading them all in."""
     with torch.no_grad():
-        if isinstance(module, fx.GraphModule) and _lazy_constants(module):
-            return run_streamed(module, input_sets)
+        if isinstance(module, fx.GraphModule) and lazy_graph.has_lazy_constants(module):
+            return lazy_graph.run(module, input_sets)
         return [module(*inputs) for inputs in input_sets]
-
-
-def run_streamed(gm: fx.GraphModule, input_sets: Sequence[Sequence[Any]]) -> list[Any]:
-    """``gm(*inputs)`` for each input set, node by node on all of them in step. Nodes that
-    depend on no input (constants, a weight's transpose, a merged QKV's concatenation) are not
-    kept: each is computed, its lazy constants read, when a node that reads an input needs it,
-    once for all the sets, and dropped after that node; an input's values are dropped after
-    their last use. So the weights are read once each and never held all at once."""
-    nodes = list(gm.graph.nodes)
-    constant: set[fx.Node] = set()
-    for node in nodes:
-        if node.op == "get_attr" or (node.op in _CALLS and not node.is_impure()
-                                     and all(n in constant for n in node.all_input_nodes)):
-            constant.add(node)
-    last_use: dict[fx.Node, list[fx.Node]] = {}
-    seen: set[fx.Node] = set()
-    for node in reversed(nodes):
-        for used in node.all_input_nodes:
-            if used not in constant and used not in seen:
-                seen.add(used)
-                last_use.setdefault(node, []).append(used)
-    envs: list[dict[fx.Node, Any]] = [{} for _ in input_sets]
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    for env, inputs in zip(envs, input_sets):
-        env.update(zip(placeholders, gm.graph.process_inputs(*inputs)))
-    outputs: list[Any] = [None] * len(input_sets)
-    for node in nodes:
-        if node in constant or node.op == "placeholder":
-            continue
-        computed: dict[fx.Node, Any] = {}  # this node's constants, shared by the sets
-        for used in node.all_input_nodes:
-            if used in constant:
-                _constant_value(gm, used, computed)
-        for i, env in enumerate(envs):
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: computed[n] if n in computed else env[n])
-            if node.op == "output":
-                outputs[i] = gm.graph.process_outputs(args[0])
-            else:
-                env[node] = _call(gm, node, args, kwargs)
-            for used in last_use.get(node, ()):
-                env.pop(used, None)
-            del args, kwargs
-        del computed  # this node's weights go before the next node's are read
-    return outputs
-
-
-_CALLS = ("call_function", "call_method", "call_module")
-
-
-def _constant_value(gm: fx.GraphModule, node: fx.Node, computed: dict[fx.Node, Any]) -> Any:
-    """The value of a node that depends on no input, its lazy constants read (memoized in ``computed``)."""
-    if node in computed:
-        return computed[node]
-    if node.op == "get_attr":
-        value = _attr(gm, node.target)
-        if lazy_weights.is_lazy(value):
-            value = lazy_weights.materialize(value)
-        elif isinstance(value, fx.GraphModule):  # a subgraph (a higher-order op's body): read its own in
-            lazy_weights.load_constants(value)
-    else:
-        for used in node.all_input_nodes:
-            _constant_value(gm, used, computed)
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), computed.__getitem__)
-        value = _call(gm, node, args, kwargs)
-    computed[node] = value
-    return value
-
-
-def _call(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any) -> Any:
-    if node.op == "call_function":
-        return node.target(*args, **kwargs)
-    if node.op == "call_method":
-        return getattr(args[0], node.target)(*args[1:], **kwargs)
-    return _attr(gm, node.target)(*args, **kwargs)  # call_module
-
-
-def _attr(gm: fx.GraphModule, target: str) -> Any:
-    value: Any = gm
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
-
-
-def _lazy_constants(gm: fx.GraphModule) -> bool:
-    return any(lazy_weights.is_lazy(_attr(gm, n.target)) for n in gm.graph.find_nodes(op="get_attr"))
 
 
 def top1_agreement(actual: torch.Tensor, expected: torch.Tensor) -> float | None:
