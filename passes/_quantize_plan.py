@@ -29,7 +29,7 @@ from graphopt.rewrite.linears import param_name
 
 if TYPE_CHECKING:
     from graphopt.pass_manager import PassContext
-    from graphopt.passes.quantize_int4 import Int4Options, LinearMatch
+    from graphopt.passes._int4_options import Int4Options, LinearMatch
 
 
 def plan_weights(gm: fx.GraphModule, ctx: PassContext, options: Int4Options, matches: dict[str, LinearMatch],
