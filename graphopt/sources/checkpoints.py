@@ -48,7 +48,8 @@ def safetensors_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
             raise ModelLoadError(f"{exc}; re-save the checkpoint") from None
         check_fits(needed + RUNTIME_BYTES, f"{path.name} in {dtype}")
 
-    return Checkpoint(identity, lambda: _build_folder(path, dtype), str(path), check_memory=check_memory)
+    return Checkpoint(identity, lambda: _build_folder(path, dtype), str(path), check_memory=check_memory,
+                      load_to_calibrate=True)
 
 
 def _build_folder(path: Path, dtype: str):
