@@ -257,7 +257,7 @@ def _build_session(gm: fx.GraphModule, example_inputs: list, provider: str, *, d
         model = pool.submit(export_graph, gm, example_inputs, dynamic=dynamic, sizes_from=sizes_from,
                             scalars=scalars or (), tidy_attention=True).result()
     exported = time.perf_counter()
-    session = create_session(model, provider, arena=not dynamic if arena is None else arena)
+    session = create_session(model, provider, arena=not dynamic if arena is None else arena, feed_weights=True)
     done = time.perf_counter()
     release_free_heap()  # the export ran in its own thread, whose glibc arena keeps what it freed
     shapes, dims = shapes_of(gm, example_inputs if not dynamic else None)

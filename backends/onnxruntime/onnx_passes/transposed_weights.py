@@ -110,7 +110,7 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
             bypassed.add(b)
             changed += 1
     # A Transpose no one reads any more goes, or ORT would still fold it into a copy.
-    read = {name for node in graph.node for name in node.input} | set(_subgraph_inputs(graph.node))
+    read = {name for node in graph.node for name in node.input} | set(subgraph_inputs(graph.node))
     read |= {v.name for v in graph.output}
     gone = {name: producer[name].input[0] for name in transposes if name not in read}
     kept = [node for node in graph.node if not (node.output and node.output[0] in gone)]
@@ -124,10 +124,10 @@ def multiply_by_transposes(graph: Any, flipped: dict[str, tuple[int, ...]], opse
     still = {producer[name].input[0] for name in transposes if name not in gone}
     uncopied = set(flipped) | {weight for name, weight in gone.items() if name in bypassed and weight not in still}
     return OnnxPassResult(changed, {"weights": len(uncopied),
-                                    "bytes": sum(_nbytes(initializers[name]) for name in uncopied)})
+                                    "bytes": sum(tensor_nbytes(initializers[name]) for name in uncopied)})
 
 
-def _nbytes(tensor: Any) -> int:
+def tensor_nbytes(tensor: Any) -> int:
     """A TensorProto's size in bytes, from its dims (its data may lie outside: weights_in_memory)."""
     from onnx import helper
 
@@ -153,7 +153,7 @@ def _to_fused_transposed(node: Any, weight: str) -> None:
     node.attribute.append(helper.make_attribute("transB", 1))
 
 
-def _subgraph_inputs(nodes: Iterable[Any]) -> Iterable[str]:
+def subgraph_inputs(nodes: Iterable[Any]) -> Iterable[str]:
     """Every value name read inside the subgraphs (If / Loop bodies) of ``nodes``."""
     for node in nodes:
         for attribute in node.attribute:
@@ -161,4 +161,4 @@ def _subgraph_inputs(nodes: Iterable[Any]) -> Iterable[str]:
             for sub in graphs:
                 for inner in sub.node:
                     yield from inner.input
-                yield from _subgraph_inputs(sub.node)
+                yield from subgraph_inputs(sub.node)

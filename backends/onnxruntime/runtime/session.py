@@ -54,7 +54,8 @@ def provider_problem(provider: str) -> str | None:
 
 
 def create_session(model: Any, provider: str = "cpu", *, threads: int | None = None, spin: bool = False,
-                   profile_prefix: str | None = None, options: Any = None, arena: bool = True):
+                   profile_prefix: str | None = None, options: Any = None, arena: bool = True,
+                   feed_weights: bool = False):
     """An InferenceSession for an OnnxModel, serialized bytes or a path, on ``provider``.
 
     ``spin=False`` (the default) stops ORT's intra-op threads from busy-waiting after each
@@ -75,6 +76,11 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     other providers a model over 2 GB is written to a temporary folder with external data and
     loaded from there (protobuf cannot hold it in memory); the folder lives as long as the
     session.
+
+    ``feed_weights`` (an in-memory model on the CPU): the large float weights that lose nothing
+    as graph inputs become inputs, so opening the session copies none of them
+    (``fed_weights.py``); ``SessionRunner`` feeds them at every run (``session._graphopt_feeds``).
+    Only for callers that run the session through a ``SessionRunner``.
     """
     import onnxruntime
 
@@ -98,8 +104,9 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     source: Any = model
     handed_over = None  # weights the session reads in place: they live as long as it does
     rewrites = None  # what its bytes got that the model did not (transposed_weights.py)
+    feeds = {} if feed_weights else None  # weights the session takes as inputs at every run
     if hasattr(model, "to_bytes") and provider == "cpu":  # other providers: not tried on a device yet
-        source, handed_over, rewrites = serialize_sharing_weights(model, session_options)
+        source, handed_over, rewrites = serialize_sharing_weights(model, session_options, feeds)
     elif hasattr(model, "to_bytes"):
         if model.is_large():
             keepalive = tempfile.TemporaryDirectory(prefix="graphopt-ort-")
@@ -123,6 +130,7 @@ def create_session(model: Any, provider: str = "cpu", *, threads: int | None = N
     session._graphopt_weights = handed_over  # noqa: SLF001  (the buffers it computes on)
     session._graphopt_arena = arena  # noqa: SLF001
     session._graphopt_passes = rewrites  # noqa: SLF001  (session_passes)
+    session._graphopt_feeds = feeds or {}  # noqa: SLF001  (SessionRunner feeds them)
     return session
 
 
@@ -145,7 +153,9 @@ class SessionRunner:
 
     def __init__(self, session, output_specs: Sequence[tuple[tuple[int, ...], "torch.dtype"]] | None = None) -> None:
         self.session = session
-        self.input_names = [i.name for i in session.get_inputs()]
+        # The weights the session takes as inputs (create_session's feed_weights), fed at every run.
+        self.weights: dict[str, Any] = getattr(session, "_graphopt_feeds", None) or {}
+        self.input_names = [i.name for i in session.get_inputs() if i.name not in self.weights]
         self.output_names = [o.name for o in session.get_outputs()]
         self.output_specs = list(output_specs) if output_specs is not None else None
         self.cpu_only = session.get_providers()[0] == "CPUExecutionProvider"
@@ -157,7 +167,8 @@ class SessionRunner:
             raise ValueError(f"the ONNX model takes {len(self.input_names)} inputs, got {len(tensors)}")
         tensors = tuple(t.contiguous() for t in tensors)
         if self.cpu_only and self.takes_numpy(tensors):
-            feeds = {name: t.numpy() for name, t in zip(self.input_names, tensors)}
+            feeds = dict(self.weights)
+            feeds.update((name, t.numpy()) for name, t in zip(self.input_names, tensors))
             return [torch.from_numpy(out) for out in self.session.run(None, feeds, run_options)]
         return self._run_bound(tensors, run_options)
 
@@ -169,13 +180,20 @@ class SessionRunner:
                  run_options: Any = None) -> list[torch.Tensor]:
         """Run on CPU tensors, writing into ``outputs`` (allocated by the caller with the
         outputs' shapes and dtypes); ``run_options`` for the run (an arena shrinkage)."""
-        binding = self.session.io_binding()
+        binding = self._binding()
         for name, t in zip(self.input_names, tensors):
             binding.bind_cpu_input(name, t.contiguous().numpy())
         for name, out in zip(self.output_names, outputs):
             binding.bind_output(name, "cpu", 0, out.numpy().dtype, list(out.shape), out.data_ptr())
         self.session.run_with_iobinding(binding, run_options)
         return list(outputs)
+
+    def _binding(self):
+        """A new IOBinding (one per run: a runner may be called from several threads) with the weights bound."""
+        binding = self.session.io_binding()
+        for name, array in self.weights.items():
+            binding.bind_cpu_input(name, array)
+        return binding
 
     def _run_bound(self, tensors: Sequence[torch.Tensor], run_options: Any = None) -> list[torch.Tensor]:
         import onnxruntime
@@ -185,7 +203,7 @@ class SessionRunner:
         def as_ortvalue(t: torch.Tensor):
             return onnxruntime.OrtValue(ort_c.OrtValue.from_dlpack(t.__dlpack__()))
 
-        binding = self.session.io_binding()
+        binding = self._binding()
         for name, t in zip(self.input_names, tensors):
             binding.bind_ortvalue_input(name, as_ortvalue(t))
         device = tensors[0].device if tensors else torch.device("cpu")

@@ -21,9 +21,10 @@ the session reads the buffer in place for its whole life, which these OrtValues'
 kept on the session, guarantee), the graph's copy is freed once the session exists, and a
 model whose only prepacking kernels are float matmuls opens with prepacking off
 (``prepacking_pays``). Every session then computes on the module's own buffers: no weight
-copy per session, only the graph's while it loads. Unpacked float weights cost nothing at
-one row (MLAS reads a weight in place for a matrix-vector product: a decode step measured
-as fast or faster) and 15-45% on a prefill's MatMuls; a quantized model (``MatMulNBits``
+copy per session, only the graph's while it loads, and not that one for the weights a
+``torch.compile`` session takes as inputs instead (``fed_weights.py``). Unpacked float
+weights cost nothing at one row (MLAS reads a weight in place for a matrix-vector product:
+a decode step measured as fast or faster) and 15-45% on a prefill's MatMuls; a quantized model (``MatMulNBits``
 and the other kernels in ``PREPACK_PAYS``) keeps prepacking, which its kernels need for
 their speed, and its weights are its own tensors, not the module's. An in-place edit of a
 module's weight after the compile now reaches the session, as it reaches eager torch.
@@ -34,6 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from graphopt.backends.onnxruntime.onnx_passes import transposed_weights
+from graphopt.backends.onnxruntime.runtime import fed_weights
 
 IN_MEMORY = "graphopt-in-memory"  # the external-data location: no file, ORT gets the values
 MIN_BYTES = 1024  # smaller initializers stay in the model's bytes
@@ -52,13 +54,16 @@ def prepacking_pays(graph: Any) -> bool:
     return any(node.op_type in PREPACK_PAYS for node in ir.traversal.RecursiveGraphIterator(graph))
 
 
-def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, list, Any]:
+def serialize_sharing_weights(model: Any, session_options: Any, feeds: dict | None = None) -> tuple[bytes, list, Any]:
     """``model`` (an onnx_model.OnnxModel) as bytes without its large initializers, which are
     added to ``session_options`` instead, both as the graph's data and as the session's own
     initializers. Returns (the bytes, the OrtValues and the buffers under them, which the
     session reads in place: keep them as long as it lives, and the ``runner.OnnxPassRun`` of
     the rewrite those bytes got: ``onnx:transposed_weights``). Turns prepacking off where it
-    does not pay (``prepacking_pays``). The model itself is left as it was."""
+    does not pay (``prepacking_pays``). The model itself is left as it was.
+
+    ``feeds``: a dict to move the weights that can be graph inputs into (name -> buffer), in a
+    graph whose kernels do not prepack (``fed_weights.py``); the caller feeds them at each run."""
     import onnx_ir as ir
     import onnxruntime
     import torch
@@ -99,10 +104,15 @@ def serialize_sharing_weights(model: Any, session_options: Any) -> tuple[bytes, 
     rewrites = record_run(transposed_weights.NAME,
                           lambda: transposed_weights.multiply_by_transposes(proto.graph, flipped, proto.opset_import),
                           lambda: len(proto.graph.node))
+    if feeds is not None and not prepacking_pays(graph):
+        fed = fed_weights.feedable(proto.graph, names)
+        fed_weights.make_inputs(proto.graph, fed)
+        feeds.update((name, array) for name, array in zip(names, arrays) if name in fed)
+    loaded = [(name, value) for name, value in zip(names, values) if feeds is None or name not in feeds]
     data = proto.SerializeToString()
-    if names:
-        session_options.add_external_initializers(names, values)
-        for name, ortvalue in zip(names, values):
+    if loaded:
+        session_options.add_external_initializers([name for name, _ in loaded], [value for _, value in loaded])
+        for name, ortvalue in loaded:
             session_options.add_initializer(name, ortvalue)
         if not prepacking_pays(graph):
             session_options.add_session_config_entry("session.disable_prepacking", "1")
