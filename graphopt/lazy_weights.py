@@ -326,20 +326,3 @@ def load_constants(gm: torch.fx.GraphModule) -> int:
             count += 1
     return count
 
-
-def calibrates(options: Any) -> str | None:
-    """Why a pipeline under ``options`` (graphopt ``Options``) reads weights' data while it
-    compiles, which lazy weights cannot give (--int4's GPTQ search and its byte budget run the
-    graph on calibration inputs), or None. ``quantize_int4``'s RTN quantizes a lazy weight as it
-    is written instead."""
-    if not (options.int4 or "quantize_int4" in options.pipeline):
-        return None
-    int4 = dict(options.pass_options.get("quantize_int4") or {})
-    if int4.get("budget"):
-        return "--int4-budget measures each layer's error on the weights"
-    from graphopt.quant.groupwise import DEFAULT_SEARCH
-
-    if int4.get("search", DEFAULT_SEARCH) == "gptq":
-        return ("--int4's GPTQ (--calibration-text) calibrates on the weights (to stream them instead: "
-                "drop --calibration-text, or --option 'pass_options={\"quantize_int4\": {\"search\": \"rtn\"}}')")
-    return None

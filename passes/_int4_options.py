@@ -28,7 +28,7 @@ class Int4Options:
         "help": 'fnmatch patterns of parameter names to leave in full precision, e.g. ["*lm_head*"]'})
     min_size: int = field(default=0, metadata={"help": "leave weights with fewer elements in full precision"})
     search: str = field(default=DEFAULT_SEARCH, metadata={
-        "help": "rtn (default, streams) | gptq: calibrated, loads weights; SmolLM2-135M 202-406 s vs rtn 8 s | "
+        "help": "rtn (default) | gptq: calibrated on activations; SmolLM2-135M 202-406 s vs rtn 8 s | "
                 "mse: weight error"})
     calibration: list = field(default_factory=list, metadata={
         "help": "token ids to calibrate on (gptq, budget); empty: the example inputs"})

@@ -8,6 +8,8 @@ graphopt/lazy_weights.py) gets fake constants of the right shapes, linked to the
 run on its data when the runtime's weights are written, reading it a block of rows at a time
 (``groupwise.BLOCK_ELEMENTS``): rows quantize on their own, so the codes are the whole weight's
 bit for bit, and Qwen2.5-0.5B's 151936 x 896 LM head (544 MB as fp32) is never read whole.
+GPTQ and a budget calibrate on the graph run streamed, and read each lazy weight when its
+input's Hessian is complete (``plan_weights``), so they too hold one float weight at a time.
 
 The pass itself (matching linears, rewriting them, options) is passes/quantize_int4.py.
 """
@@ -35,28 +37,38 @@ if TYPE_CHECKING:
 def plan_weights(gm: fx.GraphModule, ctx: PassContext, options: Int4Options, matches: dict[str, LinearMatch],
                  heads: set[str]):
     """{weight target: (quantized weight, record)} for every weight in ``matches`` (``heads``:
-    those of an LM head), and a line saying what it calibrated on."""
+    those of an LM head), and a line saying what it calibrated on.
+
+    GPTQ and a budget calibrate: the graph runs on the calibration inputs and each weight is
+    planned once its input's Hessian is complete. A weight still in its checkpoint is read
+    then, for that weight alone (the graph runs streamed: graphopt/quant/plan.py), so a
+    streamed checkpoint is never in memory whole; GPTQ keeps its codes, while a budget's
+    round-to-nearest keeps only the numbers it chooses by and quantizes the chosen width as
+    the weights are written, as without a budget."""
     if not matches:
         return {}, "none"
-    h: dict = {}
+    bits_of = {key: options.head_bits if key in heads else 4 for key in matches}
+    planned: dict[str, tuple] = {}
     calibration = "none"
-    if (options.search == "gptq" or options.budget) and any(
-            lazy_weights.is_lazy(ir.get_constant(m.weight)) for m in matches.values()):
-        raise ValueError("GPTQ and an --int4-budget calibrate on the weights' data, which is still in the "
-                         "checkpoint: load the weights (graphopt.lazy_weights.materialize_module) or quantize "
-                         "with search=rtn")
     if options.search == "gptq" or options.budget:
         inputs = quant_plan.calibration_inputs(gm, ctx.example_inputs, options.calibration)
         if inputs:
-            h = quant_plan.hessians(gm, inputs, {m.x for m in matches.values()})
-            tokens = max(t for _, t in h.values())
-            calibration = f"{'given token ids' if options.calibration else 'example inputs'}: {tokens} tokens"
+            readers: dict[fx.Node, list[str]] = {}
+            for key, m in matches.items():
+                readers.setdefault(m.x, []).append(key)
+            tokens = [0]
+
+            def calibrated(x: fx.Node, h) -> None:
+                tokens[0] = max(tokens[0], h[1])
+                for key in readers[x]:
+                    planned[key] = _plan_calibrated(matches[key], options, h, bits_of[key])
+
+            quant_plan.hessians(gm, inputs, set(readers), calibrated)
+            calibration = f"{'given token ids' if options.calibration else 'example inputs'}: {tokens[0]} tokens"
         else:  # a graph run on its own (no example inputs): nothing to calibrate on
             calibration = "none: no inputs to run the graph on, so round-to-nearest"
-    plan = {}
-    for key, m in matches.items():
-        bits = options.head_bits if key in heads else 4
-        plan[key] = plan_one(m, options, h.get(m.x), bits, both=bool(options.budget))
+    plan = {key: planned[key] if key in planned else _plan_calibrated(m, options, None, bits_of[key])
+            for key, m in matches.items()}
     if options.budget:
         records = [rec for _, rec in plan.values()]
         quant_plan.allocate_bits(records, options.budget)
@@ -67,35 +79,48 @@ def plan_weights(gm: fx.GraphModule, ctx: PassContext, options: Int4Options, mat
                 rec["output_error"] = rec["error8"] if rec["bits"] == 8 else rec["error4"]
             q = rec.pop("_q8") if rec["bits"] == 8 else rec.pop("_q4")
             rec.pop("_q8", None), rec.pop("_q4", None)
+            if q is None:  # read from its checkpoint to be measured: quantized again as it is written
+                m = matches[key]
+                quantize = _quantizer(m, options, None, rec["search"])
+                q = quantize_lazily(ir.get_constant(m.weight),
+                                    lambda weight, b=rec["bits"], fn=quantize: fn(b, weight))
             rec["group_size"] = q.group_size
             plan[key] = (q, rec)
     return plan, calibration
 
 
-def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = False):
-    """(quantized weight, record) of one weight at ``bits``; with ``both`` the record also
-    holds the 4- and 8-bit versions and their errors for the budget to choose from."""
+def _plan_calibrated(m: LinearMatch, options: Int4Options, h, bits: int):
+    """``plan_one`` where a calibration (``h``) or a budget needs the weight's data: a lazy
+    weight is read for it, and, where it will be quantized again as it is written
+    (round-to-nearest or the scale search under a budget), its codes are not kept."""
     w = ir.get_constant(m.weight)
+    if not lazy_weights.is_lazy(w) or (h is None and not options.budget):
+        return plan_one(m, options, h, bits, both=bool(options.budget))
+    q, record = plan_one(m, options, h, bits, both=bool(options.budget), data=lazy_weights.materialize(w))
+    if options.budget and record["search"] != "gptq":
+        record.update(_q4=None, _q8=None)
+        q = None
+    return q, record
+
+
+def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = False,
+             data: torch.Tensor | None = None):
+    """(quantized weight, record) of one weight at ``bits`` (``data``: the weight's, when it is
+    lazy and read for this); with ``both`` the record also holds the 4- and 8-bit versions and
+    their errors for the budget to choose from."""
+    w = data if data is not None else ir.get_constant(m.weight)
     name = param_name(m.weight)
-    dtype = val(m.x).dtype if options.scale_dtype == "auto" else options.scale_dtype
     search = options.search if h is not None or options.search != "gptq" else "rtn"
+    quantize = _quantizer(m, options, h, search)
     h, tokens = h if h is not None else (None, None)
-
-    def quantize(b: int, weight: torch.Tensor = w) -> Int4Weight:
-        if b == 8:
-            return groupwise.quantize_int8(weight, options.group_8bit(w.shape[1]), dtype,
-                                              h if search == "gptq" else None, tokens, options.act_order)
-        return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
-                                          options.act_order)
-
     if lazy_weights.is_lazy(w):
-        # Still in its checkpoint (calibration and a budget need the data now: the caller loads it)
+        # Still in its checkpoint: quantized as it is written (round-to-nearest needs nothing else)
         q = quantize_lazily(w, lambda weight: quantize(bits, weight))
         return q, layer_record(name, w, q, options, m.weight.target, search, None)
-    q = quantize(bits)
+    q = quantize(bits, w)
     record = layer_record(name, w, q, options, m.weight.target, search, h)
     if both and bits != 8:
-        q8 = quantize(8)
+        q8 = quantize(8, w)
         record.update(_q4=q, _q8=q8, bytes4=q.nbytes, bytes8=q8.nbytes, rel_error4=record["rel_error"],
                       rel_error8=relative_error(w, q8), error4=record["output_error"],
                       error8=gptq.output_error(w, q8.dequantize(), h) if h is not None else 0.0)
@@ -106,6 +131,22 @@ def plan_one(m: LinearMatch, options: Int4Options, h, bits: int, both: bool = Fa
         record.update(_q4=q, _q8=q, bytes4=q.nbytes, bytes8=q.nbytes, rel_error4=record["rel_error"],
                       rel_error8=record["rel_error"], error4=error, error8=error)
     return q, record
+
+
+def _quantizer(m: LinearMatch, options: Int4Options, h, search: str) -> Callable[[int, torch.Tensor], Int4Weight]:
+    """``quantize(bits, weight)`` for the weight of ``m`` as ``options`` ask (``h``: its input's
+    ``(Hessian, tokens)`` for GPTQ)."""
+    dtype = val(m.x).dtype if options.scale_dtype == "auto" else options.scale_dtype
+    h, tokens = h if h is not None else (None, None)
+
+    def quantize(b: int, weight: torch.Tensor) -> Int4Weight:
+        if b == 8:
+            return groupwise.quantize_int8(weight, options.group_8bit(weight.shape[1]), dtype,
+                                           h if search == "gptq" else None, tokens, options.act_order)
+        return groupwise.quantize_int4(weight, options.group_size, options.symmetric, dtype, search, h, tokens,
+                                       options.act_order)
+
+    return quantize
 
 
 def quantize_lazily(w: torch.Tensor, quantize: Callable[[torch.Tensor], Int4Weight]) -> Int4Weight:

@@ -21,7 +21,8 @@ feedback on calibration activations (graphopt/quant/gptq.py): the graph itself r
 calibration inputs (given token ids, else the example inputs) and each weight is quantized
 to keep its layer's *output* close on them, visiting the input channels with the most
 activation energy first (``act_order``; the groups stay block-wise along K, so the format
-is unchanged). It needs the weights in memory and costs 25-50x RTN's time.
+is unchanged). It reads each weight when its input's calibration is done (a checkpoint's
+weights stay in their file until then: passes/_quantize_plan.py) and costs 25-50x RTN's time.
 
 A linear whose result is a graph output (an LM head: every logit depends on it) gets
 ``head_bits`` (8: ``graphopt.int8_linear``, MatMulNBits bits=8). With a ``budget`` (the

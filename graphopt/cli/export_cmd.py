@@ -103,7 +103,7 @@ def export(
     with _progress(json_out, _STAGES[kv_cache]) as stage:
         start = time.perf_counter()
         with stage("load"):
-            loaded = _load(model, seed, batch, seq_len, kv_cache, config.replace(int4=int4))
+            loaded = _load(model, seed, batch, seq_len, kv_cache)
         load_s = time.perf_counter() - start
         common = dict(config=config, opset=opset, int4=int4, validate_model=not no_validate, force=force, stage=stage)
         with _staging(output) as staged:
@@ -181,19 +181,13 @@ def _publish(data: dict, folder: Path, move: bool) -> None:
         f["files"], f["path"] = final, str(folder / Path(f["path"]).name)
 
 
-def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool, config):
-    import logging
-
-    from graphopt import lazy_weights
+def _load(spec: str, seed: int, batch: int, seq_len: int, kv_cache: bool):
     from graphopt.sources import load_model
 
-    # A safetensors checkpoint's weights stay in its files and are written one at a time, unless
-    # the pipeline reads them while it compiles (GPTQ): then they load as before, and it says so.
-    why = lazy_weights.calibrates(config)
-    if why and Path(spec).is_dir() and any(Path(spec).glob("*.safetensors")):
-        logging.getLogger("graphopt").warning("graphopt: %s's weights load into memory: %s", spec, why)
+    # A safetensors checkpoint's weights stay in its files and are read one at a time: as they are
+    # written, by the check against eager, and by --int4's calibration (GPTQ, a budget).
     loaded = load_model(spec, seed=seed, batch=batch, seq_len=seq_len, single_output=not kv_cache,
-                        stream_weights=why is None)
+                        stream_weights=True)
     if kv_cache:
         from graphopt.backends.onnxruntime.decoder.generate import cache_steps
 

@@ -46,19 +46,6 @@ class Checkpoint:
     # Work on the file's weights that can run beside an export, in a process of its own:
     # ``run(folder)`` writes it, ``use(folder)`` lets the export read it (sources/gguf_prepack.py).
     prepack: Any = None
-    # Whether a pipeline that reads the weights while it compiles (--int4's GPTQ) may load them
-    # into memory first (a safetensors checkpoint's floats), rather than leave them in the file.
-    load_to_calibrate: bool = False
-
-    def ready_for(self, model: "nn.Module", config: Options) -> list[str]:
-        """Read ``model``'s lazy weights into memory when ``config``'s pipeline reads them while it
-        compiles and ``load_to_calibrate`` allows it; the notes that say so."""
-        from graphopt import lazy_weights
-
-        why = lazy_weights.calibrates(config) if self.load_to_calibrate else None
-        if not why or not lazy_weights.has_lazy_weights(model):
-            return []
-        return [f"read {lazy_weights.materialize_module(model)} checkpoint tensors into memory: {why}"]
 
 
 def served_target(config: Options) -> str | None:

@@ -1,7 +1,8 @@
 """Before the INT4 rewrite: calibration activations, and which layers get 8 bits.
 
 - :func:`hessians` runs the graph itself (``torch.fx.Interpreter``, every graphopt op has
-  a torch reference) on calibration inputs and sums ``X^T X`` of the input of each GEMM
+  a torch reference; a graph whose weights are still in their checkpoint streamed, a node's
+  weights at a time) on calibration inputs and sums ``X^T X`` of the input of each GEMM
   to be quantized: what GPTQ feeds errors with, and what an output error is measured on.
 - :func:`calibration_inputs` turns token ids into inputs of the graph: the whole text as
   one row when the graph's token axis is symbolic, else rows of the example's shape.
@@ -11,11 +12,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
+from graphopt import lazy_graph
 from graphopt.quant.gptq import hessian
 
 
@@ -64,14 +66,53 @@ class _Recorder(fx.Interpreter):
         return result
 
 
-def hessians(gm: fx.GraphModule, inputs: list[list[Any]], watched: set[fx.Node]
-             ) -> dict[fx.Node, tuple[torch.Tensor, int]]:
-    """``(sum X^T X, tokens)`` over ``inputs`` of each watched node's value (a GEMM's input)."""
+def hessians(gm: fx.GraphModule, inputs: list[list[Any]], watched: set[fx.Node],
+              each: Callable[[fx.Node, tuple[torch.Tensor, int]], None] | None = None
+              ) -> dict[fx.Node, tuple[torch.Tensor, int]]:
+    """``(sum X^T X, tokens)`` over ``inputs`` of each watched node's value (a GEMM's input).
+
+    A graph whose weights are still in their checkpoint runs streamed (graphopt.lazy_graph:
+    each weight read when a node needs it), and with ``each`` every node's sum goes to
+    ``each(node, sum)`` as soon as it is complete instead of into the result: on a pure graph
+    (all inputs run in step) that is right after the node, so one Hessian is held at a time.
+    The sums are the in-memory run's, bit for bit: the same values added in the same order."""
+    if lazy_graph.has_lazy_constants(gm):
+        return _streamed_hessians(gm, inputs, watched, each)
     recorder = _Recorder(gm, watched)
     with torch.no_grad():
         for args in inputs:
             recorder.run(*args)
-    return {n: (h, recorder.tokens[n]) for n, h in recorder.sums.items()}
+    found = {n: (h, recorder.tokens[n]) for n, h in recorder.sums.items()}
+    if each is None:
+        return found
+    for n, h in found.items():
+        each(n, h)
+    return {}
+
+
+def _streamed_hessians(gm: fx.GraphModule, inputs: list[list[Any]], watched: set[fx.Node],
+                       each: Callable[[fx.Node, tuple[torch.Tensor, int]], None] | None):
+    sums: dict[fx.Node, torch.Tensor] = {}
+    tokens: dict[fx.Node, int] = {}
+    in_step = lazy_graph.in_step(gm)
+
+    def seen(node: fx.Node, values: list[Any]) -> None:
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                h = hessian(value)
+                sums[node] = sums[node] + h if node in sums else h
+                tokens[node] = tokens.get(node, 0) + value.numel() // value.shape[-1]
+        if in_step and each is not None and node in sums:  # every input set seen: the sum is complete
+            each(node, (sums.pop(node), tokens[node]))
+
+    with torch.no_grad():
+        lazy_graph.run(gm, inputs, watched=watched, on_value=seen, outputs=False)
+    found = {n: (h, tokens[n]) for n, h in sums.items()}
+    if each is None:
+        return found
+    for n, h in found.items():
+        each(n, h)
+    return {}
 
 
 def allocate_bits(layers: list[dict[str, Any]], budget: float) -> None:

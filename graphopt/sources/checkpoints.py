@@ -32,7 +32,7 @@ def load_checkpoint(spec: str, dtype: str = "float32") -> Checkpoint | None:
 def safetensors_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
     """The directory as a ``Checkpoint``: ``build()`` makes the causal LM with its weights left
     in the files (``safetensors_lazy``), converted to ``dtype`` one tensor at a time as they are
-    written; a pipeline that calibrates on the weights (--int4's GPTQ) loads them first."""
+    written (--int4's calibration too reads each when a node of the graph needs it)."""
     files = checkpoint_files(path)
     try:
         identity = f"safetensors;{folder_identity(path, files)};torch.{dtype}"
@@ -48,8 +48,7 @@ def safetensors_checkpoint(path: Path, dtype: str = "float32") -> Checkpoint:
             raise ModelLoadError(f"{exc}; re-save the checkpoint") from None
         check_fits(needed + RUNTIME_BYTES, f"{path.name} in {dtype}")
 
-    return Checkpoint(identity, lambda: _build_folder(path, dtype), str(path), check_memory=check_memory,
-                      load_to_calibrate=True)
+    return Checkpoint(identity, lambda: _build_folder(path, dtype), str(path), check_memory=check_memory)
 
 
 def _build_folder(path: Path, dtype: str):

@@ -17,15 +17,12 @@ checkpoint's ``bert.`` prefix dropped for a base model); a checkpoint that does 
 parameter (a pooler it lacks, a tensor missing) is not built here: ``lazy_checkpoint`` says
 why, and the caller loads it the in-memory way, whose errors and warnings say what is wrong.
 
-``graphopt export``'s check against eager runs the optimized graph node by node, reading each
-weight when a node uses it (graphopt/export/validate.py); the file's own session, in ONNX
-Runtime, holds the file's weights as it must.
-
-What still reads every weight into memory: --int4's GPTQ search and its byte budget calibrate
-on the model's activations, so those options load the checkpoint as before and say so
-(``lazy_weights.calibrates``; RTN quantizes each weight as it is written). And ONNX Runtime's
-CPU provider has no bf16 kernels, so a bf16 checkpoint runs there as float32 (converted per
-tensor as it is written; fp16 is kept when the model is loaded in float16).
+``graphopt export``'s check against eager and --int4's calibration (GPTQ, a byte budget) run the
+optimized graph node by node, reading each weight when a node uses it (graphopt/lazy_graph.py);
+GPTQ keeps the codes it computes (a fifth of float32), not the weights. The file's own session,
+in ONNX Runtime, holds the file's weights as it must. ONNX Runtime's CPU provider has no bf16
+kernels, so a bf16 checkpoint runs there as float32 (converted per tensor as it is written;
+fp16 is kept when the model is loaded in float16).
 """
 
 from __future__ import annotations

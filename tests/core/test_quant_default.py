@@ -8,7 +8,6 @@ from torch import nn
 from graphopt import ir
 from graphopt.cli.calibration import with_int4_options
 from graphopt.config import Options
-from graphopt.lazy_weights import calibrates
 from graphopt.ops.quant import dequantize_int4
 from graphopt.passes.quantize_int4 import INT4_META, Int4Options
 from graphopt.quant.groupwise import quantize_int4
@@ -43,11 +42,8 @@ def test_default_options_quantize_each_weight_as_asymmetric_rtn_in_groups_of_32(
         assert torch.equal(dequantize_int4(packed, scales, zeros, 32, weights[name].shape[1]), expected.dequantize())
 
 
-def test_the_default_streams_a_checkpoint_and_gptq_stays_opt_in():
+def test_the_default_is_asymmetric_rtn_and_gptq_stays_opt_in():
     assert (Int4Options().search, Int4Options().symmetric) == ("rtn", False)
-    assert calibrates(Options.parse({"int4": True})) is None
-    gptq = Options.parse({"int4": True, "pass_options": {"quantize_int4": {"search": "gptq"}}})
-    assert calibrates(gptq) is not None
 
 
 def test_a_calibration_text_asks_for_gptq_unless_a_search_is_given():

@@ -188,16 +188,40 @@ def test_quantized_embeddings_stream_to_the_in_memory_codes(fixture, bits, reque
         assert np.array_equal(lazy[name], whole[name]), name
 
 
-def test_gptq_needs_the_weights_and_says_how_to_stream(llama_bf16, tmp_path):
-    loaded = load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True)
-    gptq = Options.parse({"pass_options": {"quantize_int4": {"search": "gptq"}}})
-    result = export(loaded, tmp_path / "m.onnx", config=gptq, int4=True)
-    reasons = [f["reason"] for f in result.fallbacks if f["where"] == "pass:quantize_int4"]
-    assert reasons and "search=rtn" in reasons[0]
-    assert lazy_weights.calibrates(gptq.replace(int4=True)) is not None
-    assert lazy_weights.calibrates(Options.parse({"int4": True})) is None  # the default, rtn, streams
-    assert lazy_weights.calibrates(Options.parse({"int4": True, "pass_options": RTN})) is None
-    assert lazy_weights.calibrates(Options.parse({})) is None
+@pytest.mark.parametrize("int4", [{"search": "gptq"}, {"search": "rtn", "budget": 0.25},
+                                  {"search": "gptq", "budget": 0.25, "calibration": list(range(3, 60))}])
+def test_gptq_and_a_budget_calibrate_on_the_streamed_checkpoint(int4, llama_bf16, tmp_path, monkeypatch):
+    """GPTQ and an --int4-budget run the graph streamed on their calibration inputs and read each
+    weight when its input's Hessian is complete: a few weights alive at a time, never the model's
+    39, and the file is the in-memory export's, bit for bit (the budget's choices included)."""
+    alive: list[weakref.ref] = []
+    most = [0]
+    load, load_rows = safetensors_lazy.SafetensorsTensor.load, safetensors_lazy.SafetensorsTensor.load_rows
+
+    def watch(tensor):
+        alive[:] = [r for r in alive if r() is not None]
+        alive.append(weakref.ref(tensor))
+        most[0] = max(most[0], len(alive))
+        return tensor
+
+    monkeypatch.setattr(safetensors_lazy.SafetensorsTensor, "load", lambda self: watch(load(self)))
+    monkeypatch.setattr(safetensors_lazy.SafetensorsTensor, "load_rows",
+                        lambda self, start, stop: watch(load_rows(self, start, stop)))
+    config = Options.parse({"pass_options": {"quantize_int4": int4}})
+    streamed = export(load_model(str(llama_bf16), batch=2, seq_len=8, stream_weights=True), tmp_path / "lazy.onnx",
+                      config=config, int4=True)
+    monkeypatch.undo()
+    assert not streamed.fallbacks and most[0] <= 6 < len(read_header(llama_bf16 / "model.safetensors"))
+    in_memory = export(load_model(str(llama_bf16), batch=2, seq_len=8), tmp_path / "whole.onnx", config=config,
+                       int4=True)
+    stats = [next(p for p in r.passes if p["name"] == "quantize_int4")["stats"] for r in (streamed, in_memory)]
+    assert stats[0]["calibration"] == stats[1]["calibration"] != "none"
+    bits = [[layer["bits"] for layer in s["layers"]] for s in stats]
+    assert bits[0] == bits[1] and (not int4.get("budget") or bits[0].count(8) > 1)  # the budget moved some to 8
+    lazy, whole = initializers(tmp_path / "lazy.onnx"), initializers(tmp_path / "whole.onnx")
+    assert sorted(lazy) == sorted(whole)
+    for name in lazy:
+        assert np.array_equal(lazy[name], whole[name]), name
 
 
 def test_a_checkpoint_directory_decodes_on_its_streamed_decoder(qwen_fp32, tmp_path, monkeypatch):
@@ -342,3 +366,21 @@ def test_a_streamed_export_writes_its_weights_beside_the_model(qwen_fp32, tmp_pa
     in_memory = export(load_model(str(qwen_fp32), batch=2, seq_len=8), tmp_path / "m.onnx", int4=True, force=True)
     assert in_memory.files[0].files == [str(tmp_path / "m.onnx")] and not (tmp_path / "m.onnx.data").exists()
     assert np.array_equal(run_onnx(tmp_path / "m.onnx", IDS), got)
+
+
+def test_gptq_decodes_a_checkpoint_directory_on_its_streamed_weights(qwen_fp32, tmp_path, monkeypatch):
+    """graphopt generate DIR --int4 --calibration-text: the decoder's GPTQ calibrates on the
+    weights left in the file (its graph updates its KV cache in place, so the calibration sets
+    run one after another) and decodes as the same model loaded in memory does. Its export runs
+    in a forked child, as graphopt generate's does (GPTQ's matmuls on OpenMP threads there)."""
+    import graphopt
+
+    options = {"target": "onnxruntime", "int4": True, "pass_options": {"quantize_int4": {"search": "gptq"}}}
+    ids = torch.tensor([[5, 9, 14, 3, 77]])
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path / "streamed"))
+    streamed = graphopt.generate(load_checkpoint(str(qwen_fp32)), ids, 8, options=options)
+    assert streamed.fallback is None and not any("into memory" in n for n in streamed.notes)
+    monkeypatch.setenv("GRAPHOPT_CACHE_DIR", str(tmp_path / "in_memory"))
+    module = load_model(str(qwen_fp32), single_output=False).module
+    assert not lazy_weights.has_lazy_weights(module)
+    assert graphopt.generate(module, ids, 8, options=options).token_ids(0) == streamed.token_ids(0)

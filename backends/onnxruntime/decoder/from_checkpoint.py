@@ -156,9 +156,8 @@ def _export(checkpoint, options: dict, key: str | None, scratch: str | None) -> 
         model = checkpoint.build()
     prompt = torch.randint(0, 100, (2, 4))
     config = Options.parse(options)
-    notes = checkpoint.ready_for(model, config)  # GPTQ reads the weights: loaded here when the file allows
     onnx_model, result = export_decoder(model, _export_prompt(prompt), config, timer)
-    notes += list(onnx_model.notes)
+    notes = list(onnx_model.notes)
     path = None
     if key:
         with timer("cache store"):
