@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import re
 import subprocess
 
@@ -16,27 +14,10 @@ ARCHS = list(aot.ARCHS)  # sm_80, sm_90, gfx90a, gfx942
 
 
 @pytest.fixture(scope="module")
-def builds(request, tmp_path_factory, aot_cache_dir):
-    """All kernels x all archs, with every autotune config, built once into the session's
-    throwaway TRITON_CACHE_DIR (conftest's aot_cache_dir; about a minute on two cores).
-
-    This process interprets kernels, so build_all compiles in child processes (one per CPU).
-    Under pytest-xdist the workers share one build through a lock in the session's temp
-    root, instead of each paying for it.
-    """
-    if not hasattr(request.config, "workerinput"):
-        cache = aot_cache_dir
-        return cache, {(r.kernel, r.arch): r for r in aot.build_all(ARCHS, tuning=True, cache_dir=cache)}
-    from filelock import FileLock
-
-    root = tmp_path_factory.getbasetemp().parent  # per session, shared by its workers
-    cache, done = aot_cache_dir, root / "triton-aot-results.json"
-    with FileLock(str(root / "triton-aot.lock")):
-        if not done.exists():
-            results = aot.build_all(ARCHS, tuning=True, cache_dir=cache)
-            done.write_text(json.dumps([dataclasses.asdict(r) for r in results]))
-    results = [aot.BuildResult.from_dict(d) for d in json.loads(done.read_text())]
-    return cache, {(r.kernel, r.arch): r for r in results}
+def builds(aot_builds):
+    """All kernels x all archs, with every autotune config: the session's one build
+    (conftest's aot_builds), in its throwaway TRITON_CACHE_DIR."""
+    return aot_builds.cache_dir, aot_builds.get()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -69,6 +50,7 @@ def test_load_facts(builds, kernel, arch):
     128-bit vectors; the ones that feed tl.dot prefetch through cp.async on NVIDIA."""
     _, results = builds
     r = results[(kernel, arch)]
+    assert r.built, r.error
     n_specs = len(KERNELS[kernel].aot_specs(aot.ARCHS[arch][2]))
     for f in r.functions[:n_specs]:  # the specs; the tuning configs follow them
         assert f.global_load_bits is not None and f.global_load_bits >= 128, (kernel, f.label or f.name, arch)
@@ -93,7 +75,9 @@ def test_every_tuning_config_of_the_memory_bound_kernels_loads_128_bits(builds, 
 
     _, results = builds
     for kernel in ROW_KERNELS:
-        for f in results[(kernel, arch)].functions:
+        r = results[(kernel, arch)]
+        assert r.built, r.error  # a failed build has no functions to pass this vacuously
+        for f in r.functions:
             assert f.global_load_bits >= 128, (kernel, f.label or "spec", arch, f.details)
             if arch.startswith("gfx"):
                 assert f.registers <= _common.ROW_MAX_VGPRS, (kernel, f.label or "spec", arch, f.registers)

@@ -4,10 +4,6 @@ ahead-of-time builds for sm_80, sm_90, gfx90a and gfx942."""
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -218,34 +214,19 @@ def test_codes_become_the_references_weights_value_for_value(dtype, scale_dtype)
         assert torch.equal(got, want)
 
 
-_BUILD = r"""
-import json, sys
-from graphopt.backends.triton import aot
-results = [aot.build("int4_gemm", arch, tuning=True, cache_dir=sys.argv[1]) for arch in sys.argv[2:]]
-print(json.dumps([dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
+@pytest.fixture(scope="module")
+def builds(aot_builds):
+    """The four archs' builds from the session's AOT build (conftest's aot_builds; test_aot
+    reads the same one), as the rows the assertions below read."""
+    from graphopt.backends.triton import aot
+
+    return {arch: dict(arch=r.arch, built=r.built, error=r.error, problems=aot.prove(r) if r.built else [],
                        functions=[dict(label=f.label, registers=f.registers, spills=f.spills, shared=f.shared_memory,
                                        bits=f.global_load_bits, async_copies=f.async_copies,
                                        byte_loads=f.details.get("global_loads_8b", 0),
                                        int_to_float=f.details["int_to_float_converts"])
-                                  for f in r.functions]) for r in results]))
-"""
-
-
-@pytest.fixture(scope="module")
-def builds(aot_cache_dir):
-    """Builds for the four archs in two child processes (this one interprets kernels), in the
-    session's AOT cache: after test_aot (which builds the same specs) they are cache hits."""
-    cache = aot_cache_dir
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    procs = [subprocess.Popen([sys.executable, "-c", _BUILD, cache, *archs], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for archs in (("sm_80", "sm_90"), ("gfx90a", "gfx942"))]
-    results = {}
-    for p in procs:
-        out, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
-        results.update({r["arch"]: r for r in json.loads(out.strip().splitlines()[-1])})
-    return results
+                                  for f in r.functions])
+            for (_, arch), r in aot_builds.get(["int4_gemm"]).items()}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "gfx90a", "gfx942"])

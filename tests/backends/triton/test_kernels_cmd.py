@@ -1,7 +1,7 @@
 """``graphopt kernels``: every kernel builds for sm_90 and gfx942, JSON and table, one-line errors.
 
-The real builds reuse the session's AOT cache (conftest's aot_cache_dir, filled by
-test_aot when it runs first), so they are mostly triton cache hits.
+The real builds reuse the session's AOT cache (conftest's aot_builds fills it first), so they
+are triton cache hits.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ FIELDS = {"kernel", "arch", "built", "error", "registers", "shared_memory", "spi
           "async_copies", "int_to_float_converts", "variants"}
 
 
-def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_cache_dir):
+def test_json_reports_every_kernel_built_for_sm_90_and_gfx942(aot_builds):
+    aot_cache_dir = aot_builds.cache_dir
+    aot_builds.get()  # waits for the session's build, so the command's builds are cache hits
     # A child without TRITON_INTERPRET, as a user runs it: it builds in its own process.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-m", "graphopt.cli.main", "kernels", "--arch", "sm_90,gfx942",
