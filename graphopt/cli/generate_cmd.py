@@ -14,6 +14,7 @@ import sys
 
 import typer
 
+from graphopt import huge_pages
 from graphopt.cli.common import parse_options
 from graphopt.cli.output import console, print_json, step
 from graphopt.errors import GraphoptError
@@ -40,7 +41,8 @@ def generate(
                                      "`graphopt options`"),
     json_out: bool = typer.Option(False, "--json", help="print JSON: target, prefill_ms, ms_per_token, outputs "
                                   "[{prompt, text, token_ids}] (token_ids: the new tokens only), compile_s and "
-                                  "compile_stages (seconds per build stage, where the target times them)"),
+                                  "compile_stages (seconds per build stage, where the target times them), huge_pages (whether "
+                                  "malloc memory could be on 2 MB pages)"),
     tp: int = typer.Option(1, "--tp", help="tensor-parallel ranks (gloo processes on the CPU, 1 thread each); each "
                            "decodes its shard and is compared with the unsharded model's tokens (JSON: "
                            "tokens_match_tp1, ranks)"),
@@ -106,7 +108,8 @@ def generate(
                 "token_ids": out.token_ids(i)} for i, p in enumerate(prompt)]
     summary = {"target": out.target, "prefill_ms": out.prefill_ms, "ms_per_token": out.ms_per_token,
                "outputs": outputs, "compile_s": out.compile_s, "compile_stages": out.compile_stages,
-               "fallback": out.fallback, "notes": load_notes + out.notes}
+               "fallback": out.fallback, "notes": load_notes + out.notes,
+               "huge_pages": huge_pages.in_effect()}  # malloc memory on 2 MB pages (graphopt/huge_pages.py)
     if json_out:
         print_json(summary)
         return

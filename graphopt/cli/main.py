@@ -100,5 +100,8 @@ def main() -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m graphopt.cli.main: the graphopt command's start (cli/entry.py)
+    from graphopt.huge_pages import restart_with_huge_pages
+
+    restart_with_huge_pages()
     main()
