@@ -59,14 +59,15 @@ def served_target(config: Options) -> str | None:
 
 
 def start_checkpoint(checkpoint: Checkpoint, config: Options) -> None:
-    """Let the target's file runner begin what it will need (the onnxruntime decoder's export,
-    in a child) while the caller does other work; ``decode_checkpoint`` with the same config
-    takes it up. Does nothing for a target without a file runner or a ``start_export``."""
+    """Let the target's file runner begin what it will need (the onnxruntime decoder's export
+    in a child, or its kept session in a thread) while the caller does other work;
+    ``decode_checkpoint`` with the same config takes it up. Does nothing for a target without a
+    file runner or a ``start_decoder``."""
     name = served_target(config)
     if name is None:
         return
     module = importlib.import_module(CHECKPOINT_RUNNERS[name].split(":")[0])
-    start = getattr(module, "start_export", None)
+    start = getattr(module, "start_decoder", None)
     if start is not None:
         start(checkpoint, config.replace(target=name))
 

@@ -118,3 +118,34 @@ def _key(checkpoint, options: dict) -> str:
     from graphopt.config import Options
 
     return decoder_cache.checkpoint_key(checkpoint.identity, Options.parse(options).to_dict())
+
+
+def test_a_kept_decoder_opened_early_is_taken_up(tiny, monkeypatch):
+    """On a warm run start_checkpoint opens the kept decoder's session in a thread while the
+    tokenizer loads; generate takes that session up instead of opening a second, and an error
+    while opening reaches generate's caller."""
+    from graphopt.backends.onnxruntime.decoder import from_checkpoint, in_place
+    from graphopt.config import Options
+    from graphopt.errors import GraphoptError
+    from graphopt.generation.checkpoint import start_checkpoint
+
+    ids = torch.tensor([[5, 9, 14, 3]])
+    checkpoint = load_checkpoint(str(tiny))
+    first = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})  # exports and keeps it
+    opened = []
+    real = in_place.decoder_session
+    monkeypatch.setattr(in_place, "decoder_session", lambda *a: opened.append(1) or real(*a))
+    start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime"}))
+    assert list(from_checkpoint._OPENING) == [_key(checkpoint, {"target": "onnxruntime"})]
+    warm = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})
+    assert opened == [1] and from_checkpoint._OPENING == {}
+    assert warm.token_ids(0) == first.token_ids(0)
+    assert any("loaded the decoder exported by an earlier run" in n for n in warm.notes)
+
+    def broken(*args):
+        raise GraphoptError("the kept decoder is unreadable")
+
+    monkeypatch.setattr(in_place, "decoder_session", broken)
+    start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime"}))
+    with pytest.raises(GraphoptError, match="unreadable"):
+        graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})
