@@ -133,8 +133,8 @@ def test_a_kept_decoder_opened_early_is_taken_up(tiny, monkeypatch):
     checkpoint = load_checkpoint(str(tiny))
     first = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})  # exports and keeps it
     opened = []
-    real = in_place.decoder_session
-    monkeypatch.setattr(in_place, "decoder_session", lambda *a: opened.append(1) or real(*a))
+    real = in_place.kept_decoder_session
+    monkeypatch.setattr(in_place, "kept_decoder_session", lambda *a: opened.append(1) or real(*a))
     start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime"}))
     assert list(from_checkpoint._OPENING) == [_key(checkpoint, {"target": "onnxruntime"})]
     warm = graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})
@@ -145,7 +145,7 @@ def test_a_kept_decoder_opened_early_is_taken_up(tiny, monkeypatch):
     def broken(*args):
         raise GraphoptError("the kept decoder is unreadable")
 
-    monkeypatch.setattr(in_place, "decoder_session", broken)
+    monkeypatch.setattr(in_place, "kept_decoder_session", broken)
     start_checkpoint(checkpoint, Options.parse({"target": "onnxruntime"}))
     with pytest.raises(GraphoptError, match="unreadable"):
         graphopt.generate(checkpoint, ids, 6, options={"target": "onnxruntime"})

@@ -66,17 +66,17 @@ class _Opening:
         import threading
 
         self.path = path
-        self.session = self.error = None
+        self.session = self.error = self.note = None
         self.seconds = 0.0
         self._thread = threading.Thread(target=self._open, args=(path,), name="graphopt-open-decoder", daemon=True)
         self._thread.start()
 
     def _open(self, path: Path) -> None:
-        from graphopt.backends.onnxruntime.decoder.in_place import decoder_session
+        from graphopt.backends.onnxruntime.decoder.in_place import kept_decoder_session
 
         start = time.perf_counter()
         try:
-            self.session = decoder_session(str(path))
+            self.session, self.note = kept_decoder_session(str(path))
         except BaseException as error:  # re-raised in the thread that takes the session up
             self.error = error
         self.seconds = time.perf_counter() - start
@@ -92,7 +92,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
     """An ArrayRunner on ``checkpoint``'s decoder, from the cache, from the export
     ``start_decoder`` began (or the session it began to open), or exported now."""
     from graphopt.backends.onnxruntime.decoder import decoder_cache
-    from graphopt.backends.onnxruntime.decoder.in_place import ArrayRunner, decoder_session
+    from graphopt.backends.onnxruntime.decoder.in_place import ArrayRunner, decoder_session, kept_decoder_session
     from graphopt.forked import ForkedError, run_forked
 
     if importlib.util.find_spec("onnxruntime") is None:
@@ -136,12 +136,15 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
         notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
     # Nothing of the exporter is imported here (onnx, onnxscript: 50 MB on a warm start), nor torch.
     if opening is not None:  # opened beside the tokenizer's load (compile_s counts from its start)
-        runner = ArrayRunner(opening.result(), max_length)
+        session, packing_note = opening.result(), opening.note
         stages["session"] = opening.seconds
     else:
         opened = time.perf_counter()
-        runner = ArrayRunner(decoder_session(str(kept)), max_length)
+        # a kept decoder through its packed copy (saved by this first session on this machine)
+        session, packing_note = kept_decoder_session(str(kept)) if key else (decoder_session(str(kept)), None)
         stages["session"] = time.perf_counter() - opened
+    notes += [packing_note] if packing_note else []
+    runner = ArrayRunner(session, max_length)
     runner.compile_s, runner.compile_stages = time.perf_counter() - start, dict(stages)
     runner.notes, runner.reports = notes, reports
     runner._scratch = scratch  # the written decoder's folder lives as long as the runner

@@ -40,6 +40,17 @@ def decoder_session(source: Any):
     return create_session(source, "cpu", arena=False, spin=True)
 
 
+def kept_decoder_session(path: str):
+    """``decoder_session`` on a decoder kept in graphopt's cache, through its packed copy
+    (runtime/prepacked_copy.py: the weights ONNX Runtime packed, mapped from the file; saved by
+    the first session on this machine): (session, a note when the copy fell back)."""
+    from graphopt.backends.onnxruntime.runtime.prepacked_copy import open_packed
+    from graphopt.backends.onnxruntime.runtime.session import create_session
+
+    return open_packed(path, lambda model, options: create_session(str(model), "cpu", arena=False, spin=True,
+                                                                   options=options))
+
+
 class InPlaceSession:
     """The in-place decoder's session, its KV buffers bound as past input and present output."""
 
