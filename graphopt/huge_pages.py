@@ -6,9 +6,11 @@ kernels cross a page. ONNX Runtime's prepacked ``MatMulNBits`` weights (Qwen2.5-
 GGUF: 700 MB) are plain ``malloc`` memory, and where the kernel's THP mode is ``madvise`` (the
 default of most distributions) malloc memory stays on 4 KB pages unless it is advised. With
 ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc 2.35 and later) malloc advises every mapping it
-makes: a warm ``graphopt generate`` of that file decodes at 46 ms/token against 52 on 4 KB
-pages, at the same peak memory (benchmarks/RESULTS.md, "GGUF decode on huge pages").
-llama.cpp's weights are the GGUF file's own pages, which the page cache holds in large folios.
+makes: ``graphopt generate`` of that file decoded at 46 ms/token against 52 on 4 KB pages, at
+the same peak memory (benchmarks/RESULTS.md, "GGUF decode on huge pages"). A warm run now maps
+the weights ORT packed from a file (backends/onnxruntime/runtime/prepacked_copy.py), whose page
+cache folios are large already, as llama.cpp's mapped GGUF is; huge pages still serve the first
+run's session and every session that packs in memory.
 
 Every thread allocates from the one main arena (``glibc.malloc.arena_max=1``): a warm run opens
 its session in a thread while the tokenizer loads (onnxruntime/decoder/from_checkpoint.py), and
