@@ -136,7 +136,7 @@ class OrtRunner:
         if kept is not None:
             try:
                 with timer("session"):
-                    self.decoder = InPlaceSession(decoder_session(str(kept)))
+                    self.decoder = self._kept_session(kept)
                 self.export_result = ExportResult([], timer.seconds, [], [])
                 self.notes.append(f"loaded the decoder exported by an earlier run from {kept.parent}")
                 return
@@ -173,6 +173,7 @@ class OrtRunner:
             with timer("cache store"):
                 path, note = decoder_cache.store(key, model)
             self.notes.append(note)
+        in_cache = path is not None
         if path is None:
             self._scratch = tempfile.TemporaryDirectory(prefix="graphopt-decoder-")
             path = Path(self._scratch.name) / "model.onnx"
@@ -181,7 +182,16 @@ class OrtRunner:
         del model
         heap_trim.release_free_heap()  # the export's objects are gone: hand their memory back before the session takes its own
         with timer("session"):
-            self.decoder = InPlaceSession(decoder_session(str(path)))
+            self.decoder = self._kept_session(path) if in_cache else InPlaceSession(decoder_session(str(path)))
+
+    def _kept_session(self, path: Path) -> InPlaceSession:
+        """The session on a decoder in graphopt's cache, through its packed copy
+        (runtime/prepacked_copy.py: saved by the first session on this machine, mapped after)."""
+        from graphopt.backends.onnxruntime.decoder.in_place import kept_decoder_session
+
+        session, note = kept_decoder_session(str(path))
+        self.notes += [note] if note else []
+        return InPlaceSession(session)
 
     def _export_pair(self, input_ids: Tensor) -> None:
         with tempfile.TemporaryDirectory(prefix="graphopt-generate-") as folder:

@@ -50,6 +50,12 @@ def test_a_second_runner_loads_the_kept_decoder(cache, model):
     assert "torch.export" not in second.compile_stages and "session" in second.compile_stages
     for out in (first, second):
         assert 0 < sum(out.compile_stages.values()) <= out.compile_s
+    # the second session saved the weights ORT packed (runtime/prepacked_copy.py); the third maps them
+    (entry,) = cache.iterdir()
+    assert len(list(entry.glob("model.prepacked-*.onnx"))) == 1
+    third = _decode(model)
+    assert torch.equal(third.sequences, first.sequences)
+    assert not any("packed" in n for n in third.notes), third.notes  # no fallback note
 
 
 def test_other_weights_or_options_export_again(cache, model):
