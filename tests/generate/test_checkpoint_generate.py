@@ -141,6 +141,7 @@ def test_a_kept_decoder_opened_early_is_taken_up(tiny, monkeypatch):
     assert opened == [1] and from_checkpoint._OPENING == {}
     assert warm.token_ids(0) == first.token_ids(0)
     assert any("loaded the decoder exported by an earlier run" in n for n in warm.notes)
+    assert any(n.startswith("mapped the weights ONNX Runtime packed") for n in warm.notes), warm.notes
 
     def broken(*args):
         raise GraphoptError("the kept decoder is unreadable")

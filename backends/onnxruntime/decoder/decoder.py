@@ -190,7 +190,7 @@ class OrtRunner:
         from graphopt.backends.onnxruntime.decoder.in_place import kept_decoder_session
 
         session, note = kept_decoder_session(str(path))
-        self.notes += [note] if note else []
+        self.notes.append(note)
         return InPlaceSession(session)
 
     def _export_pair(self, input_ids: Tensor) -> None:

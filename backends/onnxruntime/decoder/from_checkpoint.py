@@ -143,7 +143,7 @@ def checkpoint_runner(checkpoint, config: Options, max_length: int | None):
         # a kept decoder through its packed copy (saved by this first session on this machine)
         session, packing_note = kept_decoder_session(str(kept)) if key else (decoder_session(str(kept)), None)
         stages["session"] = time.perf_counter() - opened
-    notes += [packing_note] if packing_note else []
+    notes += [packing_note] if packing_note else []  # what the packed copy did (none without a cache)
     runner = ArrayRunner(session, max_length)
     runner.compile_s, runner.compile_stages = time.perf_counter() - start, dict(stages)
     runner.notes, runner.reports = notes, reports

@@ -43,7 +43,7 @@ def decoder_session(source: Any):
 def kept_decoder_session(path: str):
     """``decoder_session`` on a decoder kept in graphopt's cache, through its packed copy
     (runtime/prepacked_copy.py: the weights ONNX Runtime packed, mapped from the file; saved by
-    the first session on this machine): (session, a note when the copy fell back)."""
+    the first session on this machine): (session, a note on what it did with the copy)."""
     from graphopt.backends.onnxruntime.runtime.prepacked_copy import open_packed
     from graphopt.backends.onnxruntime.runtime.session import create_session
 

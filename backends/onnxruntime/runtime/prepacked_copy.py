@@ -63,17 +63,18 @@ def copy_path(model: str | os.PathLike) -> Path:
 
 def open_packed(model: str | os.PathLike, open_session: Callable[..., Any]) -> tuple[Any, str | None]:
     """A session on the packed copy of ``model`` (an .onnx path), saving the copy first when
-    there is none: (session, a note when something fell back). ``open_session(path, options)``
+    there is none: (session, a note saying which it did, or why it packed in memory instead).
+    ``open_session(path, options)``
     opens a session with the caller's settings on top of ``options`` (a SessionOptions or None)."""
     copy = copy_path(model)
     if copy.is_file():
         try:
-            return open_session(copy, None), None
+            return open_session(copy, None), f"mapped the weights ONNX Runtime packed from {copy.name}"
         except Exception as error:  # a damaged copy: drop it and pack again below
             _remove(copy)
-            note = f"the packed copy {copy.name} could not be opened ({type(error).__name__}); packed it again"
+            damaged = f"the packed copy {copy.name} could not be opened ({type(error).__name__}); "
     else:
-        note = None
+        damaged = ""
     staging = None
     try:
         try:
@@ -86,7 +87,7 @@ def open_packed(model: str | os.PathLike, open_session: Callable[..., Any]) -> t
             os.replace(staging / copy.name, copy)
         except OSError as error:
             return session, _could_not_keep(model, error)
-        return session, note
+        return session, f"{damaged}saved the weights ONNX Runtime packed in {copy.name}: later runs map them"
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
