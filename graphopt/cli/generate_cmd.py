@@ -58,9 +58,10 @@ def generate(
     first run exports its decoder in a child process, and the decoder and the tokenizer are kept
     in ~/.cache/graphopt, so the next run on the same file and options starts in seconds
     (GRAPHOPT_CACHE_DIR=DIR moves them, GRAPHOPT_CACHE_DIR=off turns them off). A model that
-    will not fit in the memory available fails before loading, saying what would fit. The
-    command keeps the weights on 2 MB pages where the kernel allows it (GRAPHOPT_HUGE_PAGES=0:
-    4 KB pages, about 10% slower decode).
+    will not fit in the memory available fails before loading, saying what would fit. A warm
+    run maps the weights ONNX Runtime packed on the first run (kept beside the decoder); the
+    command puts memory it packs itself on 2 MB pages where the kernel allows it
+    (GRAPHOPT_HUGE_PAGES=0 keeps 4 KB pages: a first run decodes about 10% slower).
 
     Example: graphopt generate model.gguf --prompt "The capital of France is" --max-new-tokens 24
     Example: graphopt generate ./SmolLM2 --chat -p "Name three rivers." -p "Hi" --target eager --json

@@ -61,11 +61,11 @@ def copy_path(model: str | os.PathLike) -> Path:
     return model.with_name(f"{PREFIX}{machine_tag()}.onnx")
 
 
-def open_packed(model: str | os.PathLike, open_session: Callable[..., Any]) -> tuple[Any, str | None]:
+def open_packed(model: str | os.PathLike, open_session: Callable[..., Any]) -> tuple[Any, str]:
     """A session on the packed copy of ``model`` (an .onnx path), saving the copy first when
     there is none: (session, a note saying which it did, or why it packed in memory instead).
-    ``open_session(path, options)``
-    opens a session with the caller's settings on top of ``options`` (a SessionOptions or None)."""
+    ``open_session(path, options)`` opens a session with the caller's settings on top of
+    ``options`` (a SessionOptions or None)."""
     copy = copy_path(model)
     if copy.is_file():
         try:
